@@ -1,0 +1,217 @@
+"""The torch.compile backend: split the Dynamo graph at split ops, compile each piece once, wrap for capture."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._guards import detect_fake_mode
+
+from ..config import Config
+from ..graphs.capture import CaptureState, GraphedPiece
+from ..ops.split import split_op_names
+from .split import PieceInfo, split_graph
+
+log = logging.getLogger("piecegraph")
+
+
+class InputKind(enum.Enum):
+    TOKENS = "tokens"  # tensor whose token dim is the symbolic token count: copied into padded static buffers
+    COUNT = "count"  # the symbolic token count itself, passed as an int
+    STATIC = "static"  # parameters, buffers, constants: must keep their address across replays
+
+
+class UnsupportedGraph(RuntimeError):
+    """The traced graph has a shape piecegraph cannot bucket (a second dynamic dimension, say)."""
+
+
+@dataclass
+class Program:
+    """A traced graph split into pieces, ready to run at any token count.
+
+    ``call(*flat_inputs)`` runs the split graph: compiled pieces (as :class:`GraphedPiece`) and split ops
+    (eager) in order, and returns the graph's outputs as a tuple. What each piece does (run, capture, replay) is
+    decided by ``state``, which the owning runner sets before every call.
+    """
+
+    call: Callable[..., Any]
+    state: CaptureState
+    pieces: list[GraphedPiece]
+    infos: list[PieceInfo]
+    kinds: list[InputKind]
+    token_outputs: list[bool]
+    dynamic: bool  # False when Dynamo traced a fixed token count: only that size can be captured
+    names: list[str]  # the placeholders' source names, for error messages
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.pieces)
+
+
+def _fake(node: torch.fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _token_symbol(fakes: list[Any], token_dim: int) -> Any:
+    for fake in fakes:
+        if isinstance(fake, torch.Tensor) and fake.dim() > token_dim:
+            size = fake.shape[token_dim]
+            if isinstance(size, torch.SymInt):
+                return size.node.expr
+    return None
+
+
+def _classify_inputs(
+    placeholders: list[torch.fx.Node], token_dim: int
+) -> tuple[list[InputKind], Any, list[str]]:
+    fakes = [_fake(n) for n in placeholders]
+    sym = _token_symbol(fakes, token_dim)
+    names = []
+    kinds = []
+    for node, fake in zip(placeholders, fakes):
+        grapharg = node.meta.get("grapharg")
+        name = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
+        name = name() if callable(name) else name  # Source.name is a method in older torch, a property in newer
+        names.append(name)
+        if isinstance(fake, torch.SymInt):
+            if sym is None or fake.node.expr != sym:
+                raise UnsupportedGraph(
+                    f"graph input {name} is a symbolic size other than the token count; piecegraph buckets one "
+                    "dynamic dimension (Config.token_dim). Mark only the token dimension dynamic."
+                )
+            kinds.append(InputKind.COUNT)
+        elif isinstance(fake, torch.Tensor) and sym is not None and _is_token_tensor(fake, token_dim, sym):
+            kinds.append(InputKind.TOKENS)
+        elif isinstance(fake, torch.Tensor) and sym is None and _is_user_input(name):
+            kinds.append(InputKind.TOKENS)
+        else:
+            if isinstance(fake, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in fake.shape):
+                raise UnsupportedGraph(
+                    f"graph input {name} has symbolic shape {tuple(fake.shape)}: only dim {token_dim} may "
+                    "be dynamic, and it must be the token count shared by all inputs."
+                )
+            kinds.append(InputKind.STATIC)
+    return kinds, sym, names
+
+
+def _is_token_tensor(fake: torch.Tensor, token_dim: int, sym: Any) -> bool:
+    if fake.dim() <= token_dim:
+        return False
+    size = fake.shape[token_dim]
+    return isinstance(size, torch.SymInt) and size.node.expr == sym
+
+
+def _is_user_input(source_name: str) -> bool:
+    # A static graph (no dynamic token dim): the call's own arguments are copied into static buffers, while
+    # module state (L['self']...) and globals keep their addresses.
+    return source_name.startswith("L[") and not source_name.startswith(("L['self']", "L['model']"))
+
+
+def _token_outputs(gm: torch.fx.GraphModule, token_dim: int, sym: Any, num_tokens: int | None) -> list[bool]:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flags = []
+    for arg in output.args[0]:
+        fake = _fake(arg) if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(fake, torch.Tensor) or fake.dim() <= token_dim:
+            flags.append(False)
+        elif sym is not None:
+            flags.append(_is_token_tensor(fake, token_dim, sym))
+        else:
+            flags.append(num_tokens is not None and fake.shape[token_dim] == num_tokens)
+    return flags
+
+
+def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: str) -> Callable[..., Any]:
+    if compiler == "eager":
+        return sub
+    from torch._inductor.compile_fx import compile_fx
+
+    # Called positionally, like the submodule it replaces (compile_fx unflattens non-tuple outputs itself).
+    return compile_fx(sub, list(fake_args))
+
+
+def _compile_pieces(
+    split_gm: torch.fx.GraphModule, infos: list[PieceInfo], fake_args: list[Any], fake_mode: Any, config: Config
+) -> dict[str, Callable[..., Any]]:
+    """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs."""
+    wanted = {info.name for info in infos if not info.is_split and info.num_ops > 0}
+    compiled: dict[str, Callable[..., Any]] = {}
+
+    class _Compiler(torch.fx.Interpreter):
+        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if target in wanted:
+                log.debug("piecegraph: compiling %s", target)
+                compiled[target] = _compile_piece(getattr(split_gm, target), list(args), config.compiler)
+            return super().call_module(target, args, kwargs)
+
+    with fake_mode:
+        _Compiler(split_gm).run(*fake_args)
+    return compiled
+
+
+def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config) -> Program:
+    """Split ``gm`` (mode piecewise / none) or keep it whole (mode full), compile, and wrap pieces for capture.
+
+    ``example_inputs`` are what Dynamo hands a backend. Every compiled piece is compiled once, for the symbolic
+    token count, under the fake mode of the trace. Returns a :class:`Program`; nothing is captured yet.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds, sym, names = _classify_inputs(placeholders, config.token_dim)
+    fake_args = [_fake(n) for n in placeholders]
+    fake_mode = next((a.fake_mode for a in fake_args if hasattr(a, "fake_mode")), None)
+    if fake_mode is None or any(a is None for a in fake_args):
+        fake_mode = detect_fake_mode(example_inputs)
+        fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+        fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    num_tokens = _static_token_count(example_inputs, kinds, config.token_dim) if sym is None else None
+    state = CaptureState(check_addresses=config.check_addresses)
+    if config.mode == "full":
+        infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
+        with fake_mode:
+            fn = _compile_piece(gm, fake_args, config.compiler)
+        pieces = [GraphedPiece("graph", fn, state)]
+        call = pieces[0]
+    else:
+        split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
+        compiled = _compile_pieces(split_gm, infos, fake_args, fake_mode, config)
+        pieces = []
+        for info in infos:
+            if info.name in compiled:
+                piece = GraphedPiece(info.name, compiled[info.name], state)
+                split_gm.__dict__[info.name] = piece  # the generated forward looks submodules up by attribute
+                pieces.append(piece)
+        call = split_gm
+    return Program(
+        call=call,
+        state=state,
+        pieces=pieces,
+        infos=infos,
+        kinds=kinds,
+        token_outputs=_token_outputs(gm, config.token_dim, sym, num_tokens),
+        dynamic=sym is not None,
+        names=names,
+    )
+
+
+def _static_token_count(example_inputs: list[Any], kinds: list[InputKind], token_dim: int) -> int | None:
+    counts = {x.shape[token_dim] for x, k in zip(example_inputs, kinds) if k is InputKind.TOKENS and x.dim() > token_dim}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def piecegraph_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: Any = None
+) -> Callable[..., Any]:
+    """``torch.compile(model, backend="piecegraph", options={...})``: ``options`` are :class:`Config` fields
+    (or ``{"config": Config(...)}``). Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(x, 0)`` or
+    ``dynamic=True``) so one trace serves every size; a static trace captures only its own size.
+    """
+    from ..runner import FlatRunner
+
+    options = dict(options or {})
+    config = options.pop("config", None) or Config()
+    if options:
+        config = config.replace(**options)
+    return FlatRunner(build_program(gm, example_inputs, config), config)

@@ -1,0 +1,107 @@
+"""The one configuration object that flows from the public call to every stage."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("piecewise", "full", "none")
+COMPILERS = ("inductor", "eager")
+
+
+def default_capture_sizes(max_tokens: int) -> tuple[int, ...]:
+    """``1, 2, 4, 8`` then every multiple of 16 up to ``max_tokens`` (and ``max_tokens`` itself)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_tokens]
+    sizes += list(range(16, max_tokens + 1, 16))
+    if max_tokens not in sizes:
+        sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class Config:
+    """How piecegraph traces, splits, compiles and captures a model.
+
+    Frozen: build a new one with :func:`dataclasses.replace`. Validated on construction, so a bad value fails
+    where it is written, with the argument's name.
+
+    Attributes:
+        mode: ``"piecewise"`` (one CUDA graph per piece between split ops, the default on CUDA), ``"full"`` (one
+            graph of the whole compiled model per size, split ops included: for decode), ``"none"`` (compiled
+            pieces, no graphs: the CPU path).
+        split_ops: extra split ops as ``"namespace::name"`` strings or op objects, on top of those declared with
+            :func:`piecegraph.split_op`.
+        capture_sizes: token counts to capture; default :func:`default_capture_sizes` of ``max_tokens``.
+        max_tokens: the largest captured size when ``capture_sizes`` is not given.
+        compiler: ``"inductor"`` compiles each piece once for a symbolic token count; ``"eager"`` runs the
+            traced pieces as they are.
+        token_dim: the dimension of every tensor input that counts tokens (marked dynamic, padded to a size).
+        copy_outputs: return copies of the outputs (default). ``False`` returns views of graph-owned memory,
+            valid only until the next call.
+        warmup_runs: eager runs of each size before it is captured.
+        check_addresses: on each replay, check that every tensor a graph reads still lives where it was
+            captured; a moved one (a replaced parameter) is copied in, with a warning, instead of read stale.
+        prewarm: run the model once eagerly before tracing, so JIT kernels build outside Dynamo.
+        emulate_graphs: replay by re-running each captured piece on its captured buffers instead of a CUDA
+            graph. Graph semantics (static addresses, padding, stale reads) without a GPU: for tests on CPU.
+        pool: a CUDA graph memory pool handle (``torch.cuda.graph_pool_handle()``) to share with another
+            compiled model; ``None`` makes a private one.
+    """
+
+    mode: str = "piecewise"
+    split_ops: tuple[Any, ...] = ()
+    capture_sizes: tuple[int, ...] | None = None
+    max_tokens: int = 512
+    compiler: str = "inductor"
+    token_dim: int = 0
+    copy_outputs: bool = True
+    warmup_runs: int = 1
+    check_addresses: bool = True
+    prewarm: bool = True
+    emulate_graphs: bool = False
+    pool: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler={self.compiler!r} is not one of {COMPILERS}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive int")
+        if self.warmup_runs < 0:
+            raise ValueError(f"warmup_runs={self.warmup_runs!r} must be >= 0")
+        if self.token_dim < 0:
+            raise ValueError(f"token_dim={self.token_dim!r} must be >= 0 (dims are counted from the front)")
+        object.__setattr__(self, "split_ops", tuple(self.split_ops or ()))
+        if self.capture_sizes is not None:
+            sizes = tuple(sorted(set(int(s) for s in self.capture_sizes)))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(
+                    f"capture_sizes={self.capture_sizes!r} must be a non-empty list of positive ints"
+                )
+            object.__setattr__(self, "capture_sizes", sizes)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The capture sizes, ascending."""
+        return self.capture_sizes or default_capture_sizes(self.max_tokens)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "Config":
+        """A config with ``PIECEGRAPH_MODE`` / ``PIECEGRAPH_COMPILER`` applied, then ``overrides``.
+
+        The only place piecegraph reads environment variables: useful to switch a served model to
+        ``mode=none`` or ``compiler=eager`` while debugging, without editing code.
+        """
+        env: dict[str, Any] = {}
+        if os.environ.get("PIECEGRAPH_MODE"):
+            env["mode"] = os.environ["PIECEGRAPH_MODE"]
+        if os.environ.get("PIECEGRAPH_COMPILER"):
+            env["compiler"] = os.environ["PIECEGRAPH_COMPILER"]
+        env.update(overrides)
+        return cls(**env)

@@ -1,0 +1,247 @@
+"""``GraphedModule``: the object :func:`piecegraph.compile` returns."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import types
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .compile.backend import build_program
+from .config import Config
+from .runner import FlatRunner
+
+log = logging.getLogger("piecegraph")
+
+_LIVE: "weakref.WeakSet[GraphedModule]" = weakref.WeakSet()
+
+
+class GraphedModule(torch.nn.Module):
+    """A model traced once by Dynamo, split at its split ops, compiled per piece, replayed as CUDA graphs.
+
+    Inference only: calls run under ``torch.no_grad()``. The first call traces (with the token dimension of
+    every tensor argument marked dynamic), compiles and builds the runner; each capture size is captured on
+    its first use, or all at once with :meth:`capture`. After the trace, calls skip Dynamo: the arguments are
+    bound to the graph's inputs directly, so non-tensor arguments must keep their traced values (checked), and
+    parameters are read where they lived at capture (moved ones are detected; see :meth:`recapture`).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Config):
+        super().__init__()
+        self.model = model
+        self.config = config
+        self._signature = inspect.signature(model.forward)
+        self._runners: list[FlatRunner] = []
+        self._compiled: Callable[..., Any] | None = None
+        self._binding: list[tuple[str, Any]] | None = None
+        self._pack: Callable[[tuple[Any, ...]], Any] | None = None
+        self._constants: dict[str, Any] = {}
+        self._stale = False
+        _LIVE.add(self)
+
+    @property
+    def runner(self) -> FlatRunner:
+        if not self._runners:
+            raise RuntimeError("the model has not been traced yet: call it once (or call .capture(...))")
+        return self._runners[-1]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind(*args, **kwargs)
+        values = dict(bound.arguments)
+        with torch.no_grad():
+            if self._compiled is None:
+                self._trace(values)
+            if self._binding is None:
+                return self._compiled(**values)
+            if self._stale:
+                self._refresh_statics()
+            return self._pack(self.runner(*self._flatten(values)))
+
+    # -- tracing ----------------------------------------------------------------------------------------
+    def _trace(self, values: dict[str, Any]) -> None:
+        td = self.config.token_dim
+        if self.config.prewarm:
+            try:
+                from .ops.prewarm import prewarm
+            except ImportError:  # pragma: no cover
+                prewarm = None
+            if prewarm is not None:
+                prewarm(self.model, **values)
+            else:
+                self.model(**values)
+        trace_values = {k: _trace_copy(v, td) for k, v in values.items()}
+        examples: list[list[Any]] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            runner = FlatRunner(build_program(gm, example_inputs, self.config), self.config)
+            runner.tracing = not examples  # the trace call itself runs the pieces without graphs
+            examples.append(list(example_inputs))
+            self._runners.append(runner)
+            return runner
+
+        compiled = torch.compile(_fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+        model = self.model
+        self._compiled = lambda **kw: compiled(model, kw)
+        result = self._compiled(**trace_values)
+        self.runner.tracing = False
+        self._bind(examples[0], trace_values, result)
+
+    def _bind(self, example_inputs: list[Any], trace_values: dict[str, Any], result: Any) -> None:
+        """Map the graph's inputs to the call's arguments, so later calls can skip Dynamo's guards."""
+        runner = self.runner
+        binding: list[tuple[str, Any]] = []
+        for example, name in zip(example_inputs, runner.program.names):
+            arg = next((k for k, v in trace_values.items() if v is example), None)
+            if arg is not None:
+                binding.append(("arg", arg))
+            elif isinstance(example, (int, torch.SymInt)) and name.endswith(f".size()[{self.config.token_dim}]"):
+                binding.append(("count", None))
+            elif isinstance(example, torch.Tensor):
+                binding.append(("static", example))
+            else:
+                log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
+                return
+        pack = _packer(result, runner.last_outputs)
+        if pack is None:
+            log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
+            return
+        runner.names = [v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)]
+        self._constants = {k: v for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
+        self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names)) if kind == "static"}
+        self._binding = binding
+        self._pack = pack
+        self._modules_seen = {id(m) for m in self.model.modules()}
+
+    def _flatten(self, values: dict[str, Any]) -> list[Any]:
+        for key, traced in self._constants.items():
+            if values.get(key, traced) is not traced and values.get(key) != traced:
+                raise ValueError(
+                    f"argument {key}={values.get(key)!r} differs from the traced {key}={traced!r}; "
+                    "piecegraph specialises non-tensor arguments. Pass a tensor, or compile one model per value."
+                )
+        flat = []
+        for kind, value in self._binding:
+            if kind == "arg":
+                if value not in values:
+                    raise TypeError(f"argument {value!r} was given when the model was traced and is missing now")
+                flat.append(values[value])
+            elif kind == "count":
+                flat.append(0)  # the runner sets the token count
+            else:
+                flat.append(value)
+        extra = set(values) - {v for k, v in self._binding if k == "arg"} - set(self._constants)
+        if extra:
+            raise TypeError(f"arguments {sorted(extra)} were not given when the model was traced")
+        return flat
+
+    # -- weights ----------------------------------------------------------------------------------------
+    def _refresh_statics(self) -> None:
+        """Re-read parameters and buffers by their Dynamo source names after one was re-registered."""
+        self._stale = False
+        changed = []
+        scope = {"L": {"model": self.model}}
+        for i, name in self._static_names.items():
+            if not name.startswith("L['model']"):
+                continue
+            try:
+                current = eval(name, {"__builtins__": {}}, scope)  # names like L['model']._modules['x']._parameters['w']
+            except Exception:
+                continue
+            kind, old = self._binding[i]
+            if current is not old:
+                self._binding[i] = (kind, current)
+                changed.append(name)
+        if changed:
+            log.warning("piecegraph: %d parameters/buffers were replaced (%s...); capturing again", len(changed), changed[0])
+            for runner in self._runners:
+                runner.drop_graphs()
+
+    def recapture(self) -> None:
+        """Drop every captured graph (after replacing weights); sizes capture again on their next use."""
+        if self._binding is not None:
+            self._refresh_statics()
+        for runner in self._runners:
+            runner.drop_graphs()
+
+    def capture(self, make_inputs: Callable[[int], tuple[tuple[Any, ...], Any]], sizes: Iterable[int] | None = None) -> dict[int, float]:
+        """Capture ``sizes`` (default: all capture sizes), largest first, into the shared pool.
+
+        ``make_inputs(n)`` returns ``(args, context)``: the forward's arguments for ``n`` tokens and the forward
+        context metadata to run them with (``None`` for none). Dummy values are fine as long as the split ops
+        accept them. Returns the seconds each size took.
+        """
+        from .context import forward_context
+        import contextlib
+
+        sizes = sorted(sizes or self.config.sizes, reverse=True)
+        for n in sizes:
+            args, meta = make_inputs(n)
+            with forward_context(meta) if meta is not None else contextlib.nullcontext():
+                self(*args)
+        return {s: self.runner.capture_s.get(s, 0.0) for s in sizes}
+
+    def stats(self) -> dict[str, Any]:
+        """``sizes``, ``pieces``, ``capture_s`` per size, ``pool_bytes``, ``replays``, ``fallbacks`` and more."""
+        stats = self.runner.stats()
+        stats["recompiles"] = len(self._runners) - 1
+        return stats
+
+
+def _entry(model: torch.nn.Module, kwargs: dict[str, Any]) -> Any:
+    return model(**kwargs)
+
+
+_ENTRIES = itertools.count()
+
+
+def _fresh_entry() -> Callable[..., Any]:
+    """A new code object per GraphedModule: Dynamo caches by code object, and we trace each model once, so
+    separate models must not share (and exhaust) one cache entry list."""
+    code = _entry.__code__.replace(co_name=f"piecegraph_entry_{next(_ENTRIES)}")
+    return types.FunctionType(code, _entry.__globals__, code.co_name)
+
+
+def _trace_copy(value: Any, td: int) -> Any:
+    """Mark the token dim dynamic; a call with fewer than 2 tokens is traced on a zero-padded copy."""
+    if not isinstance(value, torch.Tensor) or value.dim() <= td:
+        return value
+    value = value.clone()  # marking dynamic tags the tensor: tag a copy, not the caller's
+    if value.shape[td] < 2:
+        pad_shape = list(value.shape)
+        pad_shape[td] = 2 - value.shape[td]
+        value = torch.cat([value, torch.zeros(pad_shape, dtype=value.dtype, device=value.device)], dim=td)
+    torch._dynamo.mark_dynamic(value, td)
+    return value
+
+
+def _packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
+    if outputs is None:
+        return None
+
+    def index(t: Any) -> int | None:
+        return next((i for i, o in enumerate(outputs) if o is t), None)
+
+    if isinstance(result, torch.Tensor):
+        i = index(result)
+        return None if i is None else (lambda outs: outs[i])
+    if isinstance(result, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in result):
+        idx = [index(t) for t in result]
+        if None in idx:
+            return None
+        kind = type(result)
+        return lambda outs: kind(outs[i] for i in idx)
+    return None
+
+
+def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
+    for graphed in list(_LIVE):
+        if getattr(graphed, "_binding", None) is not None and id(module) in graphed._modules_seen:
+            graphed._stale = True
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)

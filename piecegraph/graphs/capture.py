@@ -1,0 +1,175 @@
+"""Per-size capture and replay of one compiled piece, sharing one memory pool.
+
+A :class:`GraphedPiece` stands where a compiled piece sat in the split graph. The runner that owns it sets the
+shared :class:`CaptureState` (phase and size) before each call; the piece then runs, warms up, captures or
+replays. Outputs of captured pieces are kept only as non-owning aliases, so the pool memory of a size can be
+reused by the next (smaller) size captured into the same pool, as every size replays alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+log = logging.getLogger("piecegraph")
+
+
+class Phase(enum.Enum):
+    RUN = "run"  # compiled piece, no graph (mode none, above the largest size, tracing)
+    WARMUP = "warmup"  # eager run of a size before its capture
+    CAPTURE = "capture"  # capture this size, then replay once so the outputs hold real values
+    REPLAY = "replay"
+
+
+@dataclass
+class CaptureState:
+    """What the owning runner tells its pieces about the call in flight; one per runner, never global."""
+
+    phase: Phase = Phase.RUN
+    size: int = 0
+    emulate: bool = False  # replay by re-running on the captured buffers (tests graph semantics on CPU)
+    check_addresses: bool = True
+    pool: Any = None
+    stream: Any = None
+    moved_inputs: int = 0  # replays that had to copy a moved input in
+
+
+@dataclass
+class CapturedPiece:
+    graph: Any  # torch.cuda.CUDAGraph, or None when emulated
+    inputs: list[Any]  # the arguments as captured (aliases of their memory)
+    tensor_idx: tuple[int, ...]
+    ptrs: tuple[int, ...]
+    outputs: Any
+    warned: set[int] = field(default_factory=set)
+
+
+def weak_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``t``'s memory without keeping it alive (CUDA only; CPU tensors are returned as is).
+
+    Keeping strong references to every size's intermediate outputs would stop sizes from sharing the pool.
+    """
+    if not t.is_cuda:
+        return t
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.size(), t.stride())
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """Skip the ``gc.collect()`` and ``empty_cache()`` that ``torch.cuda.graph`` runs before every capture.
+
+    With dozens of pieces times dozens of sizes they dominate capture time; one collection up front suffices.
+    """
+    import gc
+
+    gc.collect()
+    with mock.patch("gc.collect", lambda *a, **k: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
+        yield
+
+
+class GraphedPiece:
+    """A compiled piece with one captured graph per size.
+
+    ``fn`` must be compiled for a symbolic token count (or be the traced FX module); it is called with the
+    piece's arguments. In ``REPLAY`` the arguments must live where they lived at capture; those that moved are
+    copied into the captured buffers (with a warning) when ``state.check_addresses``, else read stale.
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], state: CaptureState):
+        self.name = name
+        self.fn = fn
+        self.state = state
+        self.captured: dict[int, CapturedPiece] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        phase = self.state.phase
+        if phase is Phase.REPLAY:
+            return self._replay(self.captured[self.state.size], args)
+        if phase is Phase.CAPTURE:
+            return self._capture(args)
+        return self.fn(*args)
+
+    def drop(self) -> None:
+        """Forget every captured graph (their pool memory returns to the pool's owner)."""
+        self.captured.clear()
+
+    def _capture(self, args: tuple[Any, ...]) -> Any:
+        state = self.state
+        tensor_idx = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        if state.emulate:
+            out = self.fn(*args)
+            # Views pin the captured memory like a graph does, even if an argument is later re-pointed.
+            inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+            entry = CapturedPiece(None, inputs, tensor_idx, _ptrs(args, tensor_idx), out)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=state.pool, stream=state.stream):
+                out = self.fn(*args)
+            graph.replay()  # capture records without running: make this call's outputs real
+            inputs = [weak_alias(a) if isinstance(a, torch.Tensor) else a for a in args]
+            entry = CapturedPiece(
+                graph, inputs, tensor_idx, _ptrs(args, tensor_idx), tree_map_only(torch.Tensor, weak_alias, out)
+            )
+        self.captured[state.size] = entry
+        return out
+
+    def _replay(self, entry: CapturedPiece, args: tuple[Any, ...]) -> Any:
+        if self.state.check_addresses and _ptrs(args, entry.tensor_idx) != entry.ptrs:
+            self._copy_moved_inputs(entry, args)
+        if entry.graph is not None:
+            entry.graph.replay()
+            return entry.outputs
+        fresh = self.fn(*entry.inputs)
+        _copy_into(entry.outputs, fresh)
+        return entry.outputs
+
+    def _copy_moved_inputs(self, entry: CapturedPiece, args: tuple[Any, ...]) -> None:
+        for i in entry.tensor_idx:
+            if args[i].data_ptr() == entry.inputs[i].data_ptr():
+                continue
+            if i not in entry.warned:
+                entry.warned.add(i)
+                warnings.warn(
+                    f"piecegraph: input {i} of {self.name} (shape {tuple(args[i].shape)}) moved since size "
+                    f"{self.state.size} was captured (a replaced parameter or buffer?). It is copied into the "
+                    "captured buffer on every replay, which is slow: call GraphedModule.recapture() after "
+                    "replacing weights.",
+                    stacklevel=4,
+                )
+            entry.inputs[i].copy_(args[i])
+        self.state.moved_inputs += 1
+
+
+def _ptrs(args: Any, idx: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(args[i].data_ptr() for i in idx)
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+def timed_capture(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``fn`` and return its result with the wall seconds it took (device work included)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start

@@ -1,0 +1,134 @@
+"""The reference decoder's shape: one frozen dataclass, presets, and a reader for Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+_SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+_MAX_DEFAULT_CACHE_LEN = 4096
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen2/Llama-family decoder.
+
+    Constraints (checked in ``__post_init__``; each error names the field): every size is a positive int,
+    ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention), ``head_dim`` is even (RoPE
+    rotates pairs of halves), ``rms_eps`` and ``rope_theta`` are positive. ``max_seq_len`` is only the default
+    length of a :class:`~piecegraph.models.attention.KVCache`.
+
+    Example: ``ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16)``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_seq_len"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a size is always a mistake.
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rms_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"ModelConfig.num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], max_seq_len: int | None = None) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` dict of a Qwen2 or Llama model.
+
+        Qwen2 always has q/k/v biases; Llama has them only when ``attention_bias`` is true. ``head_dim`` defaults
+        to ``hidden_size // num_attention_heads`` and ``num_key_value_heads`` to ``num_attention_heads``.
+        ``max_seq_len`` (only the KV cache's default length) defaults to ``max_position_embeddings`` capped at
+        ``_MAX_DEFAULT_CACHE_LEN``: a 32k default would make every cache, and the decode path's gather, huge.
+        Raises ``ValueError`` naming the missing key or an unsupported ``model_type``.
+        """
+        model_type = hf.get("model_type", "qwen2")
+        if model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; expected one of {_SUPPORTED_MODEL_TYPES}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"config.json lacks required key {key!r} (model_type {model_type!r})")
+        heads = hf["num_attention_heads"]
+        qkv_bias = True if model_type == "qwen2" else bool(hf.get("attention_bias", False))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            max_seq_len=max_seq_len or min(int(hf.get("max_position_embeddings", 2048)), _MAX_DEFAULT_CACHE_LEN),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` dict describing this shape (what :func:`save_hf` writes).
+
+        Qwen2 when ``qkv_bias`` (Qwen2 always has q/k/v biases), else Llama with ``attention_bias: false``, so
+        that :meth:`from_hf` and Hugging Face both read the shape back unchanged.
+        """
+        arch, model_type = ("Qwen2ForCausalLM", "qwen2") if self.qkv_bias else ("LlamaForCausalLM", "llama")
+        return {
+            "architectures": [arch],
+            "model_type": model_type,
+            "attention_bias": self.qkv_bias,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_seq_len,
+            "hidden_act": "silu",
+        }
+
+
+TINY = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=16, qkv_bias=True, tie_embeddings=True, max_seq_len=256,
+)
+
+QWEN2_5_0_5B = ModelConfig(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+    head_dim=64, rms_eps=1e-6, rope_theta=1e6, tie_embeddings=True, qkv_bias=True, max_seq_len=4096,
+)

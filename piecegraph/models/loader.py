@@ -1,0 +1,113 @@
+"""Load and save the reference decoder in the Hugging Face layout (config.json + safetensors), local only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from piecegraph.models.config import ModelConfig
+from piecegraph.models.decoder import Decoder
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_SHOW = 8  # weight names listed in an error before "... and N more"
+
+
+def _names(names: set[str]) -> str:
+    shown = sorted(names)[:_SHOW]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f", ... and {more} more" if more else "")
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, single file or sharded by an index."""
+    if (path / _SINGLE).is_file():
+        return [path / _SINGLE]
+    index = path / _INDEX
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{path} has no {_SINGLE} and no {_INDEX}: expected a Hugging Face checkpoint directory "
+            "(download it first; load_hf never reaches the hub)"
+        )
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    missing = [name for name in shards if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shard files missing from {path}: {', '.join(missing)}")
+    return [path / name for name in shards]
+
+
+def _read_tensors(files: list[Path], device: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of the checkpoint directory ``path`` (from its ``config.json``)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Decoder:
+    """A :class:`Decoder` from the local Hugging Face directory ``path``, in eval mode.
+
+    ``path`` holds ``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+    ``dtype`` defaults to the checkpoint's own dtype. A tied checkpoint may omit ``lm_head.weight``. Raises
+    ``FileNotFoundError`` naming the path and the missing file, or ``ValueError`` listing missing and
+    unexpected weight names or mismatched shapes.
+    """
+    path = Path(path)
+    config = read_config(path)
+    tensors = dict(_read_tensors(_shard_files(path), "cpu"))
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway; it is the embedding
+    for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
+        del tensors[name]  # older checkpoints saved RoPE's buffer; we derive it from the config
+    model_dtype = dtype or (next(iter(tensors.values())).dtype if tensors else torch.float32)
+    with torch.device("meta"):
+        model = Decoder(config)
+    expected = {name: p for name, p in model.named_parameters()}  # tied lm_head appears once, as the embedding
+    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {path} do not match the {config.num_layers}-layer decoder its config.json describes: "
+            f"missing [{_names(missing)}]; unexpected [{_names(unexpected)}]"
+        )
+    bad = {n for n, p in expected.items() if tuple(p.shape) != tuple(tensors[n].shape)}
+    if bad:
+        detail = "; ".join(f"{n}: file {tuple(tensors[n].shape)} vs model {tuple(expected[n].shape)}"
+                           for n in sorted(bad)[:_SHOW])
+        raise ValueError(f"weight shapes in {path} do not match its config.json: {detail}")
+    model = model.to(model_dtype).to_empty(device=device)  # cast on meta: no float32 copy of a bf16 model
+    if config.tie_embeddings:  # to_empty made a new Parameter per module: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(tensors[name])
+    return model.eval()
+
+
+def save_hf(model: Decoder, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for ``model`` into ``path`` (created if needed).
+
+    A tied ``lm_head.weight`` is omitted, as Hugging Face does. Returns ``path``.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage, and HF omits it anyway
+    config = model.config.to_hf()
+    config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, str(path / _SINGLE), metadata={"format": "pt"})
+    return path

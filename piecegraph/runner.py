@@ -1,0 +1,242 @@
+"""Run a compiled program at any token count: buckets, static buffers, padding, capture, replay, fallback."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from .compile.backend import InputKind, Program
+from .config import Config
+from .context import current_forward_context, override_forward_context
+from .graphs.capture import Phase, capture_session, timed_capture
+from .graphs.static_context import StaticContext
+
+log = logging.getLogger("piecegraph")
+
+
+class FlatRunner:
+    """Calls a :class:`Program` with Dynamo's flat inputs, choosing a captured size per call.
+
+    A call with ``n`` tokens uses the smallest capture size ``s >= n``: token inputs are copied into static
+    buffers (allocated once, at the largest size), rows ``n..s`` are zeroed, the size's graphs are captured on
+    first use (after ``config.warmup_runs`` eager runs) or replayed, and outputs are cut back to ``n`` rows
+    (copied unless ``config.copy_outputs`` is False). Above the largest size the compiled pieces run without
+    graphs, unpadded. ``names`` label the inputs in error messages.
+    """
+
+    def __init__(self, program: Program, config: Config, names: Sequence[str] | None = None):
+        self.program = program
+        self.config = config
+        self.names = list(names or program.names)
+        self.state = program.state
+        self.state.emulate = config.emulate_graphs
+        self.token_idx = [i for i, k in enumerate(program.kinds) if k is InputKind.TOKENS]
+        self.count_idx = [i for i, k in enumerate(program.kinds) if k is InputKind.COUNT]
+        self.sizes: tuple[int, ...] = config.sizes if program.dynamic else ()
+        self.buffers: list[torch.Tensor] | None = None
+        self.capture_s: dict[int, float] = {}
+        self.replays = 0
+        self.fallbacks = 0
+        self.tracing = False
+        self.graphs = config.mode in ("piecewise", "full")
+        self.static_context = StaticContext(max(self.sizes, default=1)) if config.mode == "full" else None
+        self.last_outputs: tuple[Any, ...] | None = None
+        self._pool_before: int | None = None
+        self._pool_after: int = 0
+
+    # -- the call ---------------------------------------------------------------------------------------
+    def __call__(self, *flat: Any) -> Any:
+        if not self.token_idx:
+            return self._run(flat)
+        n = self._num_tokens(flat)
+        if self.count_idx:
+            flat = list(flat)
+            for i in self.count_idx:
+                flat[i] = n
+        if self.tracing or not self.graphs:
+            return self._run(flat)
+        self._check_device(flat)
+        if not self.graphs:
+            return self._run(flat)
+        if not self.sizes:  # a static graph: its one size is the traced one
+            self.sizes = (n,)
+            self.static_context = StaticContext(n) if self.static_context is not None else None
+        pos = bisect.bisect_left(self.sizes, n)
+        if pos == len(self.sizes):
+            self.fallbacks += 1
+            return self._run(flat)
+        size = self.sizes[pos]
+        padded = self._stage(flat, n, size)
+        if size in self.capture_s:
+            outputs = self._replay(padded, n, size)
+        else:
+            outputs = self._capture(padded, n, size)
+        return self._finish(outputs, n)
+
+    def _run(self, flat: Sequence[Any]) -> Any:
+        self.state.phase = Phase.RUN
+        outputs = self.program.call(*flat)
+        self.last_outputs = tuple(outputs)
+        return outputs
+
+    def _num_tokens(self, flat: Sequence[Any]) -> int:
+        td = self.config.token_dim
+        first = self.token_idx[0]
+        counts = []
+        for i in self.token_idx:
+            x = flat[i]
+            if not isinstance(x, torch.Tensor) or x.dim() <= td:
+                raise ValueError(f"input {self.names[i]} must be a tensor with a token dimension {td}")
+            counts.append(x.shape[td])
+        n = counts[0]
+        for i, c in zip(self.token_idx, counts):
+            if c != n:
+                raise ValueError(
+                    f"inputs {self.names[first]} and {self.names[i]} disagree on the token count "
+                    f"(dim {td}: {n} vs {c}); every token input needs the same number of rows"
+                )
+        if n == 0:
+            raise ValueError(f"input {self.names[first]} has no tokens (dim {td} is 0)")
+        return n
+
+    def _check_device(self, flat: Sequence[Any]) -> None:
+        x = flat[self.token_idx[0]]
+        if x.is_cuda or self.config.emulate_graphs:
+            return
+        warnings.warn(
+            f"piecegraph: mode={self.config.mode!r} captures CUDA graphs, but input {self.names[self.token_idx[0]]}"
+            f" is on {x.device}; running the compiled pieces without graphs (mode='none').",
+            stacklevel=3,
+        )
+        self.graphs = False
+
+    # -- staging ----------------------------------------------------------------------------------------
+    def _stage(self, flat: Sequence[Any], n: int, size: int) -> list[Any]:
+        td = self.config.token_dim
+        if self.buffers is None:
+            largest = self.sizes[-1]
+            self.buffers = [_buffer_like(flat[i], td, largest) for i in self.token_idx]
+        padded = list(flat)
+        for i, buf in zip(self.token_idx, self.buffers):
+            x = flat[i]
+            self._check_like(i, x, buf)
+            buf.narrow(td, 0, n).copy_(x)
+            if size > n:
+                buf.narrow(td, n, size - n).zero_()  # garbage in pad rows can leak NaN into real rows
+            padded[i] = buf.narrow(td, 0, size)
+        for i in self.count_idx:
+            padded[i] = size
+        return padded
+
+    def _check_like(self, i: int, x: torch.Tensor, buf: torch.Tensor) -> None:
+        td = self.config.token_dim
+        if x.dim() != buf.dim():
+            raise ValueError(f"input {self.names[i]} has rank {x.dim()}; it was captured with rank {buf.dim()}")
+        if x.dtype != buf.dtype or x.device != buf.device:
+            raise ValueError(
+                f"input {self.names[i]} is {x.dtype} on {x.device}; it was captured as {buf.dtype} on "
+                f"{buf.device}. Convert it (x.to(...)) or compile another model for this dtype/device."
+            )
+        if x.shape[:td] + x.shape[td + 1 :] != buf.shape[:td] + buf.shape[td + 1 :]:
+            raise ValueError(
+                f"input {self.names[i]} has shape {tuple(x.shape)}; only dim {td} (tokens) may change, it was "
+                f"captured with {tuple(buf.shape[:td])} + (tokens,) + {tuple(buf.shape[td + 1:])}"
+            )
+
+    # -- capture and replay -----------------------------------------------------------------------------
+    def _capture(self, padded: list[Any], n: int, size: int) -> Any:
+        if not self.config.emulate_graphs and self.state.stream is None:
+            # One pool and one side stream for every size: captured largest first, sizes share memory.
+            self.state.pool = self.config.pool if self.config.pool is not None else torch.cuda.graph_pool_handle()
+            self.state.stream = torch.cuda.Stream()
+        meta = current_forward_context()
+        if self.static_context is not None and meta is not None:
+            meta = self.static_context.for_capture(meta, n, size)
+
+        def capture() -> Any:
+            with override_forward_context(meta), (
+                capture_session() if torch.cuda.is_available() else contextlib.nullcontext()
+            ):
+                self.state.size = size
+                if self._pool_before is None and torch.cuda.is_available():
+                    self._pool_before = torch.cuda.memory_reserved()
+                for _ in range(self.config.warmup_runs):
+                    self.state.phase = Phase.WARMUP
+                    self.program.call(*padded)
+                self.state.phase = Phase.CAPTURE
+                try:
+                    return self.program.call(*padded)
+                finally:
+                    self.state.phase = Phase.RUN
+
+        outputs, seconds = timed_capture(capture)
+        self.capture_s[size] = seconds
+        if torch.cuda.is_available():
+            self._pool_after = torch.cuda.memory_reserved()
+        log.info("piecegraph: captured size %d in %.3f s", size, seconds)
+        return outputs
+
+    def _replay(self, padded: list[Any], n: int, size: int) -> Any:
+        meta = current_forward_context()
+        if self.static_context is not None and meta is not None:
+            self.static_context.for_replay(meta, n, size)
+            meta = self.static_context.captured[size][0]  # what an emulated replay's split ops must read
+        self.state.size = size
+        self.state.phase = Phase.REPLAY
+        try:
+            with override_forward_context(meta):
+                outputs = self.program.call(*padded)
+        finally:
+            self.state.phase = Phase.RUN
+        self.replays += 1
+        return outputs
+
+    def _finish(self, outputs: Sequence[Any], n: int) -> tuple[Any, ...]:
+        td = self.config.token_dim
+        result = []
+        for out, is_token in zip(outputs, self.program.token_outputs):
+            if isinstance(out, torch.Tensor):
+                if is_token:
+                    out = out.narrow(td, 0, n)
+                if self.config.copy_outputs:
+                    out = out.clone()
+            result.append(out)
+        self.last_outputs = tuple(result)
+        return self.last_outputs
+
+    # -- management -------------------------------------------------------------------------------------
+    def drop_graphs(self) -> None:
+        """Forget every captured size; the next call of each size captures again."""
+        for piece in self.program.pieces:
+            piece.drop()
+        self.capture_s.clear()
+        if self.static_context is not None:
+            self.static_context.captured.clear()
+
+    def stats(self) -> dict[str, Any]:
+        pool = 0
+        if self._pool_before is not None:
+            pool = max(0, self._pool_after - self._pool_before)
+        return {
+            "mode": self.config.mode if self.graphs else "none",
+            "sizes": sorted(self.capture_s),
+            "pieces": self.program.num_pieces,
+            "split_ops": sum(1 for info in self.program.infos if info.is_split),
+            "capture_s": dict(sorted(self.capture_s.items())),
+            "pool_bytes": pool,
+            "replays": self.replays,
+            "fallbacks": self.fallbacks,
+            "moved_inputs": self.state.moved_inputs,
+        }
+
+
+def _buffer_like(x: torch.Tensor, td: int, largest: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[td] = largest
+    return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
