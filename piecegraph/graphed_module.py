@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
 import types
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -175,7 +176,6 @@ class GraphedModule(torch.nn.Module):
         accept them. Returns the seconds each size took.
         """
         from .context import forward_context
-        import contextlib
 
         sizes = sorted(sizes or self.config.sizes, reverse=True)
         for n in sizes:
@@ -183,6 +183,18 @@ class GraphedModule(torch.nn.Module):
             with forward_context(meta) if meta is not None else contextlib.nullcontext():
                 self(*args)
         return {s: self.runner.capture_s.get(s, 0.0) for s in sizes}
+
+    @contextlib.contextmanager
+    def without_graphs(self) -> Iterator[None]:
+        """Run the same compiled pieces without graphs inside the block (debugging, references)."""
+        saved = [runner.graphs for runner in self._runners]
+        for runner in self._runners:
+            runner.graphs = False
+        try:
+            yield
+        finally:
+            for runner, value in zip(self._runners, saved):
+                runner.graphs = value
 
     def stats(self) -> dict[str, Any]:
         """``sizes``, ``pieces``, ``capture_s`` per size, ``pool_bytes``, ``replays``, ``fallbacks`` and more."""
