@@ -5,6 +5,7 @@ from .api import compile
 from .config import Config, default_capture_sizes
 from .context import forward_context, get_forward_context
 from .graphed_module import GraphedModule
+from .ops import FrozenCacheMiss, freeze, freeze_package, opaque, prewarm, unfreeze
 from .ops.split import split_op
 
 __all__ = [
@@ -15,5 +16,11 @@ __all__ = [
     "forward_context",
     "get_forward_context",
     "split_op",
+    "opaque",
+    "freeze",
+    "freeze_package",
+    "unfreeze",
+    "prewarm",
+    "FrozenCacheMiss",
 ]
 __version__ = "0.1.0"
