@@ -13,7 +13,7 @@ import torch
 from .compile.backend import InputKind, Program
 from .config import Config
 from .context import current_forward_context, override_forward_context
-from .graphs.capture import Phase, capture_session, timed_capture
+from .graphs.capture import Phase, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
 
 log = logging.getLogger("piecegraph")
@@ -46,8 +46,6 @@ class FlatRunner:
         self.graphs = config.mode in ("piecewise", "full")
         self.static_context = StaticContext(max(self.sizes, default=1)) if config.mode == "full" else None
         self.last_outputs: tuple[Any, ...] | None = None
-        self._pool_before: int | None = None
-        self._pool_after: int = 0
 
     # -- the call ---------------------------------------------------------------------------------------
     def __call__(self, *flat: Any) -> Any:
@@ -163,8 +161,6 @@ class FlatRunner:
                 capture_session() if torch.cuda.is_available() else contextlib.nullcontext()
             ):
                 self.state.size = size
-                if self._pool_before is None and torch.cuda.is_available():
-                    self._pool_before = torch.cuda.memory_reserved()
                 for _ in range(self.config.warmup_runs):
                     self.state.phase = Phase.WARMUP
                     self.program.call(*padded)
@@ -176,8 +172,6 @@ class FlatRunner:
 
         outputs, seconds = timed_capture(capture)
         self.capture_s[size] = seconds
-        if torch.cuda.is_available():
-            self._pool_after = torch.cuda.memory_reserved()
         log.info("piecegraph: captured size %d in %.3f s", size, seconds)
         return outputs
 
@@ -219,9 +213,7 @@ class FlatRunner:
             self.static_context.captured.clear()
 
     def stats(self) -> dict[str, Any]:
-        pool = 0
-        if self._pool_before is not None:
-            pool = max(0, self._pool_after - self._pool_before)
+        pool = 0 if self.config.emulate_graphs else pool_bytes(self.state.pool)
         return {
             "mode": self.config.mode if self.graphs else "none",
             "sizes": sorted(self.capture_s),

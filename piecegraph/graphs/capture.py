@@ -164,6 +164,15 @@ def _copy_into(dst: Any, src: Any) -> None:
             _copy_into(d, s)
 
 
+def pool_bytes(pool: Any) -> int:
+    """Bytes the caching allocator holds in the CUDA graph pool ``pool`` (0 without CUDA or a pool)."""
+    if pool is None or not torch.cuda.is_available():
+        return 0
+    key = tuple(pool)
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", ())) == key)
+
+
 def timed_capture(fn: Callable[[], Any]) -> tuple[Any, float]:
     """Run ``fn`` and return its result with the wall seconds it took (device work included)."""
     if torch.cuda.is_available():

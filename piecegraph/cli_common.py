@@ -1,0 +1,30 @@
+"""Helpers shared by the CLI commands: device choice and model loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import typer
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("--device cuda, but torch sees no CUDA device; use --device cpu", param_hint="--device")
+    return device
+
+
+def load_model(model: str, device: str, dtype: torch.dtype):
+    from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, load_hf
+
+    if model == "tiny":
+        return Decoder.random(TINY, seed=0, dtype=dtype, device=device).eval()
+    if model == "qwen2.5-0.5b":
+        return Decoder.random(QWEN2_5_0_5B, seed=0, dtype=dtype, device=device).eval()
+    if Path(model).is_dir():
+        return load_hf(model, dtype=dtype, device=device).eval()
+    raise typer.BadParameter(
+        f"{model!r} is not 'tiny', 'qwen2.5-0.5b' or a local Hugging Face directory", param_hint="--model"
+    )
