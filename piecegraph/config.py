@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("piecewise", "full", "none")
+MODES = ("piecewise", "full", "none", "breakable", "auto")
 COMPILERS = ("inductor", "eager")
 
 
@@ -30,7 +30,9 @@ class Config:
     Attributes:
         mode: ``"piecewise"`` (one CUDA graph per piece between split ops, the default on CUDA), ``"full"`` (one
             graph of the whole compiled model per size, split ops included: for decode), ``"none"`` (compiled
-            pieces, no graphs: the CPU path).
+            pieces, no graphs: the CPU path), ``"breakable"`` (no Dynamo: the eager forward captured in segments
+            cut at split ops, for models Dynamo cannot trace), ``"auto"`` (piecewise; if tracing fails, the fixes
+            piecegraph knows, then piecewise again; else breakable, with one warning naming the blockers).
         split_ops: extra split ops as ``"namespace::name"`` strings or op objects, on top of those declared with
             :func:`piecegraph.split_op`.
         capture_sizes: token counts to capture; default :func:`default_capture_sizes` of ``max_tokens``.
@@ -46,6 +48,11 @@ class Config:
         prewarm: run the model once eagerly before tracing, so JIT kernels build outside Dynamo.
         emulate_graphs: replay by re-running each captured piece on its captured buffers instead of a CUDA
             graph. Graph semantics (static addresses, padding, stale reads) without a GPU: for tests on CPU.
+        verify: after capturing a size, replay it on fresh inputs (token inputs permuted along the token
+            dimension) and compare with the same program run without graphs; a size off by more than
+            ``verify_tol`` (relative) is dropped to the no-graph path and reported. ``None``: on for the first
+            captured size in ``mode="auto"``, off otherwise. Catches host values baked into a graph.
+        verify_tol: relative error above which ``verify`` drops a size.
         pool: a CUDA graph memory pool handle (``torch.cuda.graph_pool_handle()``) to share with another
             compiled model; ``None`` makes a private one.
     """
@@ -61,6 +68,8 @@ class Config:
     check_addresses: bool = True
     prewarm: bool = True
     emulate_graphs: bool = False
+    verify: bool | None = None
+    verify_tol: float = 1e-2
     pool: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

@@ -7,12 +7,16 @@ import inspect
 import itertools
 import logging
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .compile.backend import build_program
+from .graphs.breakable import build_breakable_program
+from .graphs.fallback import apply_known_fixes, fallback_warning
+from .ops.prewarm import prewarm
 from .config import Config
 from .runner import FlatRunner
 
@@ -55,30 +59,32 @@ class GraphedModule(torch.nn.Module):
         values = dict(bound.arguments)
         with torch.no_grad():
             if self._compiled is None:
-                self._trace(values)
+                self._setup(values)
             if self._binding is None:
                 return self._compiled(**values)
             if self._stale:
                 self._refresh_statics()
             return self._pack(self.runner(*self._flatten(values)))
 
-    # -- tracing ----------------------------------------------------------------------------------------
-    def _trace(self, values: dict[str, Any]) -> None:
-        td = self.config.token_dim
+    # -- setup ------------------------------------------------------------------------------------------
+    def _setup(self, values: dict[str, Any]) -> None:
+        mode = self.config.mode
         if self.config.prewarm:
-            try:
-                from .ops.prewarm import prewarm
-            except ImportError:  # pragma: no cover
-                prewarm = None
-            if prewarm is not None:
-                prewarm(self.model, **values)
-            else:
-                self.model(**values)
-        trace_values = {k: _trace_copy(v, td) for k, v in values.items()}
+            prewarm(self.model, **values)
+        if mode == "breakable":
+            self._setup_breakable(values, self.config)
+        elif mode == "auto":
+            self._setup_auto(values)
+        else:
+            self._trace(values, self.config)
+
+    def _trace(self, values: dict[str, Any], config: Config) -> None:
+        """Trace with Dynamo once, build the program, and bind the call's arguments to the graph's inputs."""
+        trace_values = {k: _trace_copy(v, config.token_dim) for k, v in values.items()}
         examples: list[list[Any]] = []
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            runner = FlatRunner(build_program(gm, example_inputs, self.config), self.config)
+            runner = FlatRunner(build_program(gm, example_inputs, config), config)
             runner.tracing = not examples  # the trace call itself runs the pieces without graphs
             examples.append(list(example_inputs))
             self._runners.append(runner)
@@ -90,6 +96,51 @@ class GraphedModule(torch.nn.Module):
         result = self._compiled(**trace_values)
         self.runner.tracing = False
         self._bind(examples[0], trace_values, result)
+
+    def _setup_breakable(self, values: dict[str, Any], config: Config) -> None:
+        """No Dynamo: the eager model, captured in segments cut at split ops (see graphs/breakable.py)."""
+        program = build_breakable_program(self.model, values, config)
+        self._runners.append(FlatRunner(program, config))
+        self._compiled = self.model
+        self._binding = [("arg", name) for name in values]
+        self._pack = _unpack_single if program.single_output else tuple
+        self._constants = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        self._static_names = {}
+        self._modules_seen = set()
+
+    def _setup_auto(self, values: dict[str, Any]) -> None:
+        """Piecewise; else the fixes piecegraph knows, then piecewise again; else breakable (eager on CPU)."""
+        config = self.config.replace(mode="piecewise", verify=bool(self.config.verify))
+        error = self._try_trace(values, config)
+        fixes: list[str] = []
+        if error is not None:
+            fixes = apply_known_fixes(self.model, values, error)
+            if fixes:
+                error = self._try_trace(values, config) or None
+        if error is None:
+            if self.config.verify is None:
+                self.runner.verify_left = 1  # auto checks its first capture by default
+            if fixes:
+                log.info("piecegraph auto: piecewise after applying %s", ", ".join(fixes))
+            return
+        self._setup_breakable(values, config.replace(mode="breakable"))
+        on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
+        if not on_cuda:
+            self.runner.graphs = False
+        warnings.warn(fallback_warning(error, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
+
+    def _try_trace(self, values: dict[str, Any], config: Config) -> Exception | None:
+        try:
+            self._trace(values, config)
+            return None
+        except Exception as error:  # Dynamo raises many types; each is a reason to fall back, not to crash
+            self._reset()
+            return error
+
+    def _reset(self) -> None:
+        self._runners.clear()
+        self._compiled = None
+        self._binding = None
 
     def _bind(self, example_inputs: list[Any], trace_values: dict[str, Any], result: Any) -> None:
         """Map the graph's inputs to the call's arguments, so later calls can skip Dynamo's guards."""
@@ -228,6 +279,10 @@ def _trace_copy(value: Any, td: int) -> Any:
         value = torch.cat([value, torch.zeros(pad_shape, dtype=value.dtype, device=value.device)], dim=td)
     torch._dynamo.mark_dynamic(value, td)
     return value
+
+
+def _unpack_single(outputs: tuple[Any, ...]) -> Any:
+    return outputs[0]
 
 
 def _packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:

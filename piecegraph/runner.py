@@ -15,6 +15,7 @@ from .config import Config
 from .context import current_forward_context, override_forward_context
 from .graphs.capture import Phase, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
+from .graphs.verify import verify_size
 
 log = logging.getLogger("piecegraph")
 
@@ -43,7 +44,9 @@ class FlatRunner:
         self.replays = 0
         self.fallbacks = 0
         self.tracing = False
-        self.graphs = config.mode in ("piecewise", "full")
+        self.graphs = config.mode in ("piecewise", "full", "breakable")
+        self.verify_left = float("inf") if config.verify else 0
+        self.dropped: dict[int, float] = {}  # sizes whose replay disagreed with the no-graph run
         self.static_context = StaticContext(max(self.sizes, default=1)) if config.mode == "full" else None
         self.last_outputs: tuple[Any, ...] | None = None
 
@@ -69,11 +72,17 @@ class FlatRunner:
             self.fallbacks += 1
             return self._run(flat)
         size = self.sizes[pos]
+        if size in self.dropped:
+            self.fallbacks += 1
+            return self._run(flat)
         padded = self._stage(flat, n, size)
         if size in self.capture_s:
             outputs = self._replay(padded, n, size)
         else:
             outputs = self._capture(padded, n, size)
+            if self.verify_left > 0:
+                self.verify_left -= 1
+                outputs = verify_size(self, flat, padded, n, size, outputs)
         return self._finish(outputs, n)
 
     def _run(self, flat: Sequence[Any]) -> Any:
@@ -224,6 +233,7 @@ class FlatRunner:
             "replays": self.replays,
             "fallbacks": self.fallbacks,
             "moved_inputs": self.state.moved_inputs,
+            "dropped_sizes": dict(self.dropped),
         }
 
 

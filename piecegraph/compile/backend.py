@@ -45,6 +45,7 @@ class Program:
     token_outputs: list[bool]
     dynamic: bool  # False when Dynamo traced a fixed token count: only that size can be captured
     names: list[str]  # the placeholders' source names, for error messages
+    single_output: bool = False  # breakable programs: the model returned one tensor, not a tuple
 
     @property
     def num_pieces(self) -> int:
