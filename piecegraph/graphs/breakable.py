@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,10 +69,14 @@ class _Recorder:
         self.graph.capture_begin(pool=self.state.pool)
 
     def end(self) -> None:
-        self.graph.capture_end()
-        self.graph.replay()  # capture records without running: make the segment's values real
-        self.steps.append(_Step(graph=self.graph))
-        self.graph = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.graph.capture_end()
+        graph, self.graph = self.graph, None
+        if any("empty" in str(w.message) for w in caught):
+            return  # two breaks in a row: nothing to replay (an empty graph refuses to replay)
+        graph.replay()  # capture records without running: make the segment's values real
+        self.steps.append(_Step(graph=graph))
 
     def call_eager(self, fn: Callable[..., Any], args: tuple, kwargs: dict, copy_outputs: bool) -> Any:
         self.end()
