@@ -1,10 +1,9 @@
-"""``piecegraph bench``: the command line of the benchmark."""
+"""``piecegraph bench``: the command line of the benchmark (sweep, table, JSON, plot, optional profile)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import typer
@@ -14,43 +13,115 @@ from rich.table import Table
 from piecegraph.cli_common import load_model, resolve_device
 
 console = Console()
+if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
+    console = Console(width=180)
+
+
+def _ints(text: str, option: str) -> list[int]:
+    """``"1,10,256"`` -> ``[1, 10, 256]``; ``""`` or ``"none"`` -> ``[]``; anything else names the option."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option)
+    if any(v < 1 for v in values):
+        raise typer.BadParameter(f"{text!r}: sizes must be positive", param_hint=option)
+    return values
+
+
+def _modes(text: str, device: str) -> list[str]:
+    from piecegraph.bench.modes import CPU_MODES, GPU_MODES, KNOWN_MODES
+
+    if text == "auto":
+        return list(GPU_MODES if device == "cuda" else CPU_MODES)
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in KNOWN_MODES]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown modes {unknown}; choose from {', '.join(KNOWN_MODES)}", param_hint="--modes")
+    return names
+
+
+def _profile_spec(text: Optional[str]) -> Optional[tuple[str, int]]:
+    if not text:
+        return None
+    from piecegraph.bench.modes import KNOWN_MODES
+
+    mode, _, batch = text.rpartition(":")
+    if mode not in KNOWN_MODES or not batch.isdigit() or int(batch) < 1:
+        raise typer.BadParameter(f"{text!r}: expected MODE:BATCH with a mode of {', '.join(KNOWN_MODES)}, "
+                                 "e.g. piecewise:1", param_hint="--profile")
+    return mode, int(batch)
 
 
 def bench(
     model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
-    modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,torch.compile,reduce-overhead,none"),
-    batches: str = typer.Option("1,10,256,1024", help="decode batch sizes"),
-    context: int = typer.Option(256, min=1, help="cached tokens per sequence"),
-    repeats: int = typer.Option(20, min=1),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="write rows and environment as JSON"),
-    device: str = typer.Option("auto"),
+    modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,breakable,"
+                              "torch.compile,reduce-overhead,meta-pcg,none (auto: all on GPU, eager,none on CPU)"),
+    batches: str = typer.Option("1,10,256,1024", help="decode batch sizes (sequences per step)"),
+    prefill: str = typer.Option("16,128,512,2048", help="packed prefill token totals, mixed lengths ('' for none)"),
+    context: int = typer.Option(256, min=1, help="cached tokens per sequence in decode"),
+    repeats: int = typer.Option(20, min=1, help="timed calls per cell (median reported)"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write env, modes and rows as JSON"),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: ms by batch / tokens, log scale"),
+    profile: Optional[str] = typer.Option(None, help="MODE:BATCH: also profile one decode step (e.g. piecewise:1)"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
 ) -> None:
-    """Time decode steps of every mode side by side (medians of CUDA-event timings)."""
-    from piecegraph.bench.harness import DECODE_MODES, bench_decode, environment
+    """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
+    from piecegraph.bench.harness import environment
+    from piecegraph.bench.report import compact, payload, rich_table, write_json
+    from piecegraph.bench.sweep import run_sweep
 
     device = resolve_device(device)
+    batch_list, prefill_list = _ints(batches, "--batches"), _ints(prefill, "--prefill")
+    if not batch_list:
+        raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
+    mode_list, spec = _modes(modes, device), _profile_spec(profile)
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
-    net = load_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
-    if modes == "auto":
-        mode_list = list(DECODE_MODES) if device == "cuda" else ["eager", "none"]
-    else:
-        mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    try:
-        batch_list = [int(b) for b in batches.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"{batches!r} is not a comma-separated list of ints", param_hint="--batches")
-    rows = bench_decode(net, mode_list, batch_list, context=context, repeats=repeats, log=console.print)
-    table = Table(title=f"decode step, {model}, {environment(net)['gpu']}, torch {torch.__version__}")
-    for col in ("mode", "batch", "ms", "tok/s", "x eager", "rel err", "first call s", "pool MiB"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    eager = {r.batch: r.ms for r in rows if r.mode == "eager"}
-    for r in rows:
-        ratio = f"{eager[r.batch] / r.ms:.1f}" if r.batch in eager else "-"
-        table.add_row(r.mode, str(r.batch), f"{r.ms:.3f}", f"{r.tok_s:.0f}", ratio, f"{r.rel_err:.1e}",
-                      f"{r.setup_s:.1f}", f"{r.pool_mib:.0f}")
-    console.print(table)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
+    net = load_model(model, device, dtype)
+
+    def env_of(result: Any) -> dict[str, Any]:
+        return environment(net, model, result.bandwidth_gbs, context=context, repeats=repeats, batches=batch_list,
+                           prefill=prefill_list, modes=mode_list)
+
+    def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
+        if json_path:
+            write_json(json_path, payload({**env_of(result), "partial": True}, result.rows, result.modes))
+
+    def log(line: str) -> None:  # plain: reasons and tracebacks hold brackets that rich would read as markup
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
+                       on_mode=save_partial)
+    env = env_of(result)
+    console.print(rich_table(result.rows, f"{model} {env['dtype']} on {env['gpu']}, torch {env['torch']}, "
+                                          f"context {context}"))
+    profiled = _run_profile(net, spec, context) if spec else None
+    data = payload(env, result.rows, result.modes, profiled)
+    console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
     if json_path:
-        payload = {"env": {**environment(net), "model_name": model, "context": context},
-                   "rows": [r.__dict__ for r in rows]}
-        json_path.write_text(json.dumps(payload, indent=1))
+        write_json(json_path, data)
         console.print(f"wrote {json_path}")
+    if plot_path:
+        from piecegraph.bench.plot import plot
+
+        plot(result.rows, plot_path, title=f"{model} {env['dtype']}, {env['gpu']}, torch {env['torch']}")
+        console.print(f"wrote {plot_path}")
+
+
+def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int) -> dict:
+    from piecegraph.bench.profile import profile_step
+
+    mode, batch = spec
+    try:
+        result = profile_step(net, mode, batch, context=context)
+    except Exception as exc:  # the sweep's results still get written
+        result = {"mode": mode, "batch": batch, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]}
+    table = Table(title=f"profile: {mode}, decode batch {batch}")
+    table.add_column("what")
+    table.add_column("value", justify="right", max_width=100, overflow="fold")
+    for key, value in result.items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    return result

@@ -1,35 +1,71 @@
-"""Time capture modes side by side on one device, in one process, so their ratios hold."""
+"""Timing primitives of the benchmark: one result row, CUDA-event medians, copy bandwidth, the environment.
+
+Everything here is mode-agnostic; ``cases.py`` builds the inputs, ``modes.py`` the callables, ``sweep.py`` runs
+them. All timings of one run come from one process on one device, so ratios between modes hold.
+"""
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
-
-import piecegraph
-from piecegraph.models import AttentionMetadata, Decoder, KVCache
-
-DECODE_MODES = ("eager", "full", "full-compiled", "piecewise", "torch.compile", "reduce-overhead")
 
 
 @dataclass
 class Row:
+    """One measured (or skipped) cell: a mode at one decode batch or one prefill token count.
+
+    ``size`` is the batch (decode) or the total token count (prefill); it is written as ``batch`` or ``tokens``.
+    A skipped row has ``skipped`` set to the reason and ``None`` for every measurement.
+    """
+
     mode: str
-    phase: str
-    batch: int
-    ms: float
-    tok_s: float
-    setup_s: float
-    rel_err: float
-    pool_mib: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    phase: str  # "decode" | "prefill"
+    size: int
+    ms: float | None = None
+    tok_s: float | None = None
+    hbm_frac: float | None = None  # HBM floor (weights + KV bytes / measured bandwidth) over measured ms
+    setup_s: float | None = None  # the mode's compile + capture (all bench sizes), the same on each of its rows
+    pool_mib: float | None = None  # CUDA graph pool of the mode after every size was captured
+    rel_err: float | None = None  # ||out - eager|| / ||eager|| on the same inputs and cache
+    seqs: int | None = None  # prefill: sequences packed into the batch
+    skipped: str | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        key = "batch" if self.phase == "decode" else "tokens"
+        out: dict[str, Any] = {"mode": self.mode, "phase": self.phase, key: self.size}
+        for name in ("ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err", "seqs", "skipped", "note"):
+            value = getattr(self, name)
+            if name in ("seqs", "skipped", "note") and value is None:
+                continue  # optional keys appear only when they say something
+            out[name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Row":
+        """The inverse of :meth:`to_json` (for plotting or comparing saved results)."""
+        size = data["batch"] if "batch" in data else data["tokens"]
+        fields = {k: v for k, v in data.items() if k not in ("batch", "tokens")}
+        return cls(size=size, **fields)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def time_ms(fn: Callable[[int], Any], warmup: int = 3, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn(i)`` over ``repeats`` calls after ``warmup`` (CUDA events on GPU)."""
+    """Median milliseconds of ``fn(i)`` over ``repeats`` calls after ``warmup`` calls.
+
+    ``i`` counts calls so the caller can rotate inputs (a replay of identical inputs could hide copy cost). On
+    CUDA each call is bracketed by events and synchronized, so the time is the step's device time including
+    any CPU launch gap; on CPU it is wall time.
+    """
     for i in range(warmup):
         fn(i)
     cuda = torch.cuda.is_available()
@@ -49,70 +85,44 @@ def time_ms(fn: Callable[[int], Any], warmup: int = 3, repeats: int = 20) -> flo
     return statistics.median(times)
 
 
-def make_mode(name: str, model: Decoder, sizes: Sequence[int]) -> Callable[..., torch.Tensor]:
-    """The callable that ``name`` times; graphed modes capture exactly ``sizes``."""
-    sizes = tuple(sizes)
-    if name == "eager":
-        return model
-    if name == "full":  # whole graph captured, ops as traced (no Inductor)
-        return piecegraph.compile(model, mode="full", compiler="eager", capture_sizes=sizes)
-    if name == "full-compiled":
-        return piecegraph.compile(model, mode="full", compiler="inductor", capture_sizes=sizes)
-    if name == "piecewise":
-        return piecegraph.compile(model, mode="piecewise", compiler="inductor", capture_sizes=sizes)
-    if name == "none":
-        return piecegraph.compile(model, mode="none", compiler="inductor", capture_sizes=sizes)
-    if name == "torch.compile":
-        return torch.compile(model)
-    if name == "reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead")
-    raise ValueError(f"unknown bench mode {name!r}; choose from {DECODE_MODES + ('none',)}")
+def measure_bandwidth_gbs(device: torch.device | str, mib: int | None = None) -> float:
+    """Device-to-device copy bandwidth in GB/s (read + write bytes over the median copy time).
+
+    On CUDA a 1 GiB copy (well past L2), on CPU a 32 MiB one (a quick figure: the CPU smoke run only needs a
+    number). Measured once per run: the HBM floor of every row divides by it.
+    """
+    device = torch.device(device)
+    mib = mib or (1024 if device.type == "cuda" else 32)
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda i: dst.copy_(src), warmup=2, repeats=10 if device.type == "cuda" else 5)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
-def decode_case(model: Decoder, batch: int, context: int, variants: int = 3) -> tuple[list[torch.Tensor], torch.Tensor, AttentionMetadata]:
-    """Input sets for one decode step of ``batch`` sequences that each hold ``context`` cached tokens."""
-    param = next(model.parameters())
-    cache = KVCache(model.config, num_slots=batch, max_len=context + 8, dtype=param.dtype, device=param.device)
-    for k, v in zip(cache.k, cache.v):
-        k.normal_(0, 1)
-        v.normal_(0, 1)
-    g = torch.Generator(device="cpu").manual_seed(batch)
-    ids = [torch.randint(0, model.config.vocab_size, (batch,), generator=g).to(param.device) for _ in range(variants)]
-    positions = torch.full((batch,), context, dtype=torch.int64, device=param.device)
-    slots = torch.arange(1, batch + 1, dtype=torch.int64, device=param.device)
-    return ids, positions, AttentionMetadata.for_decode(cache, slots, positions)
+def rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||out - reference|| / ||reference||`` in float32 (both cut to the reference's rows)."""
+    out = out[: reference.shape[0]].float()
+    return ((out - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
-def bench_decode(model: Decoder, modes: Sequence[str], batches: Sequence[int], context: int = 256,
-                 repeats: int = 20, log: Callable[[str], None] = print) -> list[Row]:
-    """Decode-step median ms of each mode at each batch; every mode sees the same inputs and cache."""
-    rows = []
-    callables = {m: make_mode(m, model, batches) for m in modes}
-    for batch in batches:
-        ids, positions, meta = decode_case(model, batch, context)
-        with piecegraph.forward_context(meta), torch.no_grad():
-            reference = model(ids[0], positions).float()
-            for mode, fn in callables.items():
-                t0 = time.perf_counter()
-                out = fn(ids[0], positions)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                setup = time.perf_counter() - t0
-                rel = ((out.float() - reference).norm() / reference.norm()).item()
-                ms = time_ms(lambda i: fn(ids[i % len(ids)], positions), repeats=repeats)
-                stats = fn.stats() if hasattr(fn, "stats") else {}
-                rows.append(Row(mode, "decode", batch, ms, batch / ms * 1e3, setup, rel,
-                                stats.get("pool_bytes", 0) / 2**20))
-                log(f"decode batch={batch:5d} {mode:16s} {ms:8.3f} ms  rel_err={rel:.2e}  first call {setup:.2f}s")
-        del meta
-    return rows
+def environment(model: torch.nn.Module, name: str, bandwidth_gbs: float, **extra: Any) -> dict[str, Any]:
+    """The run's identity: device, versions, model shape, date, measured bandwidth, plus ``extra``."""
+    from dataclasses import asdict
 
+    import piecegraph
 
-def environment(model: Decoder) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
     return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
-        "dtype": str(next(model.parameters()).dtype),
-        "model": asdict(model.config),
+        "cuda": torch.version.cuda if cuda else None,
+        "python": platform.python_version(),
+        "piecegraph": getattr(piecegraph, "__version__", "?"),
+        "model": name,
+        "model_config": asdict(model.config) if hasattr(model, "config") else None,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "date": time.strftime("%Y-%m-%d"),
+        "bandwidth_gbs": round(bandwidth_gbs, 1),
+        **extra,
     }

@@ -1,0 +1,136 @@
+"""The inputs every mode is timed on: decode steps at a context length, packed varlen prefills.
+
+All modes share one decode cache and one prefill cache, so they read the same memory. Each case keeps its
+metadata alive for the whole run: ``reduce-overhead`` bakes the addresses of the metadata tensors the attention
+op reads into its graphs, so a case's metadata must not be rebuilt between its calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from piecegraph.models import AttentionMetadata, Decoder, KVCache, dummy_inputs
+
+# Relative lengths of the packed prompts of a prefill batch: mixed on purpose (varlen attention, uneven work).
+_PREFILL_WEIGHTS = (7, 2, 5, 1, 3, 8, 2, 4)
+_VARIANTS = 3  # input_ids sets rotated through the repeats
+
+
+@dataclass
+class Case:
+    """One timed cell's inputs: ``ids[i % len(ids)]`` and ``positions`` under ``meta``.
+
+    ``floor_bytes`` is what an ideal step must read from memory (weights + KV cache); ``reference`` is the
+    eager output in float32, filled in by the sweep before any mode runs.
+    """
+
+    phase: str
+    size: int
+    ids: list[torch.Tensor]
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    floor_bytes: int
+    seqs: int = 1
+    reference: torch.Tensor | None = field(default=None, repr=False)
+
+    def args(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i % len(self.ids)], self.positions
+
+
+def _device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    param = next(model.parameters())
+    return param.device, param.dtype
+
+
+def weight_bytes_read(model: torch.nn.Module, tokens: int) -> int:
+    """Bytes of parameters one forward of ``tokens`` tokens must read.
+
+    For the reference :class:`Decoder`: every layer and the final norm, plus only the ``tokens`` embedding rows
+    it gathers; ``lm_head`` is not part of the forward. Other models: every parameter.
+    """
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if inner is None or embed is None:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    skip = {id(p) for p in embed.parameters()}
+    body = sum(p.numel() * p.element_size() for p in inner.parameters() if id(p) not in skip)
+    return body + tokens * embed.weight.shape[1] * embed.weight.element_size()
+
+
+def kv_bytes_per_token(model: Decoder, cache_dtype: torch.dtype) -> int:
+    """Bytes of k and v that one cached token holds across all layers."""
+    c = model.config
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=cache_dtype).element_size()
+
+
+def _ids(model: Decoder, n: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=g).to(device) for _ in range(_VARIANTS)]
+
+
+def decode_cache(model: Decoder, batches: Sequence[int], context: int) -> KVCache:
+    """One cache for every decode batch: ``max(batches)`` slots, ``context`` random cached tokens each (+ room)."""
+    device, dtype = _device_dtype(model)
+    cache = KVCache(model.config, num_slots=max(batches), max_len=context + 8, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for k, v in zip(cache.k, cache.v):
+        k.normal_(0, 1, generator=gen)
+        v.normal_(0, 1, generator=gen)
+    return cache
+
+
+def decode_cases(model: Decoder, cache: KVCache, batches: Sequence[int], context: int) -> list[Case]:
+    """One decode step per batch: ``batch`` sequences (slots ``1..batch``) with ``context`` cached tokens each."""
+    device, _ = _device_dtype(model)
+    per_token = kv_bytes_per_token(model, cache.dtype)
+    cases = []
+    for b in batches:
+        positions = torch.full((b,), context, dtype=torch.int64, device=device)
+        slots = torch.arange(1, b + 1, dtype=torch.int64, device=device)
+        meta = AttentionMetadata.for_decode(cache, slots, positions)
+        floor = weight_bytes_read(model, b) + b * (context + 1) * per_token
+        cases.append(Case("decode", b, _ids(model, b, seed=b, device=device), positions, meta, floor, seqs=b))
+    return cases
+
+
+def prefill_lengths(total: int) -> list[int]:
+    """Mixed prompt lengths summing to ``total``: up to 8 prompts (one per 8 tokens), uneven by design."""
+    n = max(1, min(len(_PREFILL_WEIGHTS), total // 8))
+    weights = _PREFILL_WEIGHTS[:n]
+    lengths = [max(1, total * w // sum(weights)) for w in weights]
+    lengths[-1] += total - sum(lengths)
+    while lengths[-1] < 1:  # rounding pushed the last prompt below one token: borrow from the longest
+        i = lengths.index(max(lengths))
+        lengths[i] -= 1
+        lengths[-1] += 1
+    return lengths
+
+
+def prefill_cases(model: Decoder, totals: Sequence[int]) -> list[Case]:
+    """One packed prefill per total: fresh prompts of :func:`prefill_lengths`, in one shared cache."""
+    if not totals:
+        return []
+    device, dtype = _device_dtype(model)
+    layouts = [prefill_lengths(t) for t in totals]
+    longest = max(max(lengths) for lengths in layouts)
+    slots = max(len(lengths) for lengths in layouts)
+    cache = KVCache(model.config, num_slots=slots, max_len=longest, dtype=dtype, device=device)
+    per_token = kv_bytes_per_token(model, dtype)
+    cases = []
+    for total, lengths in zip(totals, layouts):
+        meta = AttentionMetadata.for_batch(cache, [(i + 1, 0, n) for i, n in enumerate(lengths)])
+        floor = weight_bytes_read(model, total) + total * per_token
+        cases.append(Case("prefill", total, _ids(model, total, seed=10_000 + total, device=device),
+                          meta.positions, meta, floor, seqs=len(lengths)))
+    return cases
+
+
+def capture_inputs(model: Decoder, cache: KVCache) -> Callable[[int], tuple[tuple[Any, ...], Any]]:
+    """``make_inputs(n)`` for ``GraphedModule.capture``: pad tokens on the decode cache.
+
+    The decode cache on purpose: ``full`` graphs bake the cache object in, and decode replays use that cache.
+    """
+    return lambda n: dummy_inputs(model, cache, n)

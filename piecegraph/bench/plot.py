@@ -1,0 +1,67 @@
+"""The benchmark's PNG: ms per step by batch (decode) and by token count (prefill), one line per mode.
+
+matplotlib with the Agg backend, selected before pyplot is imported, so it works headless (CI, GPU boxes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from piecegraph.bench.harness import Row
+
+_PANELS = (("decode", "decode batch (sequences)"), ("prefill", "prefill tokens (packed, mixed lengths)"))
+
+
+def _series(rows: Sequence[Row], phase: str) -> dict[str, tuple[list[int], list[float]]]:
+    """Measured points per mode for one phase, sorted by size; skipped rows leave gaps, not zeros."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in sorted((r for r in rows if r.phase == phase and r.ms), key=lambda r: r.size):
+        xs, ys = series.setdefault(r.mode, ([], []))
+        xs.append(r.size)
+        ys.append(r.ms)
+    return series
+
+
+def plot(rows: Sequence[Row], path: Path, title: str = "") -> Path:
+    """Write a PNG with a decode panel and, when prefill rows were measured, a prefill panel (log-log axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(phase, label) for phase, label in _PANELS if _series(rows, phase)]
+    if not panels:
+        panels = [_PANELS[0]]  # nothing measured: still write a (labelled, empty) figure
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (phase, label) in zip(axes[0], panels):
+        _draw(ax, _series(rows, phase), label)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw(ax: Any, series: dict[str, tuple[list[int], list[float]]], xlabel: str) -> None:
+    for mode, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=mode, linestyle="--" if mode == "eager" else "-")
+    if series:
+        from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        sizes = sorted({x for xs, _ in series.values() for x in xs})
+        ax.set_xticks(sizes)  # label the measured sizes, not powers of ten the run never used
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%d"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ys = [y for _, values in series.values() for y in values]
+        # Under one decade there is no major tick to read: label the minor ones instead (plain numbers).
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if max(ys) < 10 * min(ys) else NullFormatter())
+        ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ms per step (median)")
+    ax.grid(True, which="both", alpha=0.3)

@@ -1,0 +1,143 @@
+"""Where one decode step's time goes: graph replays versus the split ops that run eagerly between them.
+
+Two measurements, kept apart because the profiler's own overhead would distort the timings:
+
+1. timers (no profiler): the step's device time (CUDA events), its CPU time (wall time of the call, which
+   returns before the GPU finishes), and the CPU time inside graph replays and piecegraph's piece calls;
+2. ``torch.profiler`` over a few steps: split-op calls and their CPU time, ATen ops and kernel launches issued
+   inside split ops (what runs eagerly between replays), and graph launches per step.
+
+A step whose CPU time is about its device time is CPU bound: the GPU waits for Python between pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from unittest import mock
+
+import torch
+
+from piecegraph.bench import modes as bench_modes
+from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases
+from piecegraph.bench.harness import sync, time_ms
+from piecegraph.context import forward_context
+from piecegraph.graphs.capture import GraphedPiece
+
+SPLIT_OP = "piecegraph_models::attention"
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+_VIEWS = ("aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten::select", "aten::unsqueeze",
+          "aten::expand", "aten::as_strided", "aten::_reshape_alias", "aten::alias", "aten::narrow",
+          "aten::t", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_like")
+
+
+def _cpu_breakdown(fn: Any, args: tuple[Any, ...], steps: int) -> dict[str, float]:
+    """Median CPU ms of a step; mean CPU ms per step inside ``CUDAGraph.replay`` (every graphed mode's launches)
+    and inside piecegraph's ``GraphedPiece`` calls (replay plus its address checks). No profiler."""
+    spent = {"replay": 0.0, "piece": 0.0}
+
+    def timer(key: str, original: Any) -> Any:
+        def timed(self: Any, *a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(self, *a)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return timed
+
+    step_ms = []
+    with mock.patch.object(GraphedPiece, "__call__", timer("piece", GraphedPiece.__call__)), \
+            mock.patch.object(torch.cuda.CUDAGraph, "replay", timer("replay", torch.cuda.CUDAGraph.replay)):
+        for _ in range(steps):
+            sync()  # start each step with an idle GPU, so a full launch queue cannot stall the CPU timing
+            start = time.perf_counter()
+            fn(*args)
+            step_ms.append((time.perf_counter() - start) * 1e3)
+    step_ms.sort()
+    return {"step_cpu_ms": step_ms[len(step_ms) // 2], "replay_cpu_ms": spent["replay"] * 1e3 / steps,
+            "piece_call_cpu_ms": spent["piece"] * 1e3 / steps}
+
+
+def _under_split(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == SPLIT_OP:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _profiled_counts(fn: Any, args: tuple[Any, ...], steps: int) -> dict[str, float]:
+    """Per-step counts and times from ``torch.profiler``: split ops, their ATen ops and launches, graph launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn(*args)
+        sync()
+    events = list(prof.events())
+    split = [e for e in events if e.name == SPLIT_OP]
+    inner = [e for e in events if e.name.startswith("aten::") and e.name not in _VIEWS and _under_split(e)]
+    launches = [e for e in events if e.name in _LAUNCHES]
+    launches_in_split = sum(1 for e in launches if _under_split(e))
+    calls = max(len(split), 1)
+    return {
+        "split_calls_per_step": len(split) / steps,
+        "split_cpu_ms_per_step": sum(e.cpu_time_total for e in split) / 1e3 / steps,
+        "split_gpu_ms_per_step": sum(_device_us(e) for e in split) / 1e3 / steps,
+        "aten_ops_per_split": len(inner) / calls,
+        "kernels_per_split": launches_in_split / calls,
+        "eager_kernels_outside_split_per_step": (len(launches) - launches_in_split) / steps,
+        "graph_launches_per_step": sum(1 for e in events if e.name == "cudaGraphLaunch") / steps,
+    }
+
+
+def _device_us(event: Any) -> float:
+    # device_time_total in torch >= 2.4; cuda_time_total before (deprecated after: never touch it if we can)
+    if hasattr(type(event), "device_time_total"):
+        return float(event.device_time_total or 0)
+    return float(getattr(event, "cuda_time_total", 0) or 0)
+
+
+def profile_step(model: torch.nn.Module, mode: str, batch: int, context: int = 256, steps: int = 20) -> dict[str, Any]:
+    """Profile one decode step of ``mode`` at ``batch`` sequences of ``context`` cached tokens.
+
+    Returns a flat dict (JSON-ready): pieces, step GPU and CPU ms, CPU ms in graph replays, split-op calls with
+    their CPU/GPU ms, eager ATen ops and kernels per split op, graph launches per step, and a one-line verdict.
+    Works for any mode; piece timings are zero for modes without piecegraph pieces (eager, torch.compile).
+    """
+    reason = bench_modes.unavailable(mode)
+    if reason:
+        return {"mode": mode, "batch": batch, "skipped": reason}
+    cache = decode_cache(model, [batch], context)
+    case = decode_cases(model, cache, [batch], context)[0]
+    prep = bench_modes.prepare(mode, model, [batch], [], capture_inputs(model, cache))
+    args = case.args(0)
+    with torch.no_grad(), forward_context(case.meta):
+        for _ in range(max(prep.warm_calls, 1)):
+            prep.fn(*args)
+        gpu_ms = time_ms(lambda i: prep.fn(*case.args(i)), repeats=steps)
+        cpu = _cpu_breakdown(prep.fn, args, steps)
+        counts = _profiled_counts(prep.fn, args, min(steps, 5))
+    stats = prep.stats() or {}
+    result = {"mode": mode, "batch": batch, "context": context, "pieces": stats.get("pieces"),
+              "step_gpu_ms": gpu_ms, **cpu, **counts}
+    # What is neither a graph launch nor a split op: staging copies, output clones, Python glue.
+    launch_ms = max(cpu["replay_cpu_ms"], cpu["piece_call_cpu_ms"])
+    result["other_cpu_ms"] = max(0.0, cpu["step_cpu_ms"] - launch_ms - counts["split_cpu_ms_per_step"])
+    result["verdict"] = verdict(result)
+    prep = None
+    bench_modes.release()
+    return result
+
+
+def verdict(p: dict[str, Any]) -> str:
+    """One sentence on what bounds the step, from :func:`profile_step`'s numbers."""
+    split = p["split_cpu_ms_per_step"]
+    bound = "CPU bound" if p["step_cpu_ms"] >= 0.8 * p["step_gpu_ms"] else "GPU bound"
+    return (f"{bound}: {p['step_cpu_ms']:.2f} ms CPU per {p['step_gpu_ms']:.2f} ms step; "
+            f"{p['split_calls_per_step']:.0f} split-op calls cost {split:.2f} ms CPU "
+            f"({p['aten_ops_per_split']:.0f} ATen ops, {p['kernels_per_split']:.0f} kernels each), "
+            f"graph replays {p['replay_cpu_ms']:.2f} ms CPU for {p['graph_launches_per_step']:.0f} launches, "
+            f"other {p['other_cpu_ms']:.2f} ms CPU")

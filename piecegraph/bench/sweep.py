@@ -1,0 +1,152 @@
+"""Run every mode over every case: eager references first, then one mode at a time (built, timed, freed).
+
+Mode after mode rather than case after case: a mode's compile and capture happen once, its setup is timed as a
+whole, and its graphs are freed before the next mode builds, so no mode runs with another's pool resident.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from piecegraph.bench import modes as bench_modes
+from piecegraph.bench.cases import Case, capture_inputs, decode_cache, decode_cases, prefill_cases
+from piecegraph.bench.harness import Row, measure_bandwidth_gbs, rel_err, sync, time_ms
+from piecegraph.context import forward_context
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class SweepResult:
+    """Rows (one per mode x case, skipped ones included), per-mode setup facts, and the measured bandwidth."""
+
+    rows: list[Row]
+    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    bandwidth_gbs: float = 0.0
+
+
+def _reason(exc: BaseException, log: Log | None = None) -> str:
+    """A one-line skip reason; the last frames of the traceback go to ``log`` (GPU runs are debugged from logs)."""
+    if log is not None:
+        log(traceback.format_exc(limit=-6).rstrip())
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"failed: {type(exc).__name__}: {text}"[:300]
+
+
+def _references(model: torch.nn.Module, cases: Sequence[Case]) -> None:
+    """Eager float32 outputs of every case's first input set: what ``rel_err`` compares against."""
+    with torch.no_grad():
+        for case in cases:
+            with forward_context(case.meta):
+                case.reference = model(*case.args(0)).float()
+
+
+def _time_case(prep: bench_modes.Prepared, case: Case, repeats: int, bandwidth_gbs: float) -> tuple[Row, float]:
+    """One mode on one case: ``warm_calls`` setup calls, an accuracy call, then the median of ``repeats``."""
+    row = Row(prep.name, case.phase, case.size, seqs=case.seqs if case.phase == "prefill" else None)
+    if case.phase == "prefill" and prep.prefill_skip:
+        row.skipped = prep.prefill_skip
+        return row, 0.0
+    fn = prep.fn
+    with torch.no_grad(), forward_context(case.meta):
+        sync()
+        start = time.perf_counter()
+        for _ in range(prep.warm_calls):
+            fn(*case.args(0))
+        sync()
+        warm_s = time.perf_counter() - start
+        row.rel_err = rel_err(fn(*case.args(0)), case.reference)
+        row.ms = time_ms(lambda i: fn(*case.args(i)), repeats=repeats)
+    row.tok_s = case.size / row.ms * 1e3
+    floor_ms = case.floor_bytes / (bandwidth_gbs * 1e9) * 1e3
+    row.hbm_frac = floor_ms / row.ms
+    if case.phase == "prefill":
+        row.note = prep.prefill_note
+    return row, warm_s
+
+
+def _mode_facts(prep: bench_modes.Prepared, setup_s: float) -> dict[str, Any]:
+    stats = prep.stats() or {}
+    pool = stats.get("pool_bytes")
+    return {
+        "setup_s": round(setup_s, 3),
+        "capture_s": round(sum(stats.get("capture_s", {}).values()), 3) if "capture_s" in stats else None,
+        "pool_mib": None if pool is None else round(pool / 2**20, 1),
+        "pieces": stats.get("pieces"),
+        "sizes": stats.get("sizes"),
+    }
+
+
+def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inputs: Any, repeats: int,
+              bandwidth_gbs: float, log: Log) -> tuple[list[Row], dict[str, Any]]:
+    """Rows of one mode; a failure skips the affected rows with the reason instead of ending the run."""
+    reason = bench_modes.unavailable(name)
+    if reason is None:
+        decode = [c.size for c in cases if c.phase == "decode"]
+        prefill = [c.size for c in cases if c.phase == "prefill"]
+        try:
+            prep = bench_modes.prepare(name, model, decode, prefill, make_inputs)
+        except Exception as exc:  # a mode that cannot build is a result, not a crash
+            reason = _reason(exc, log)
+    if reason is not None:
+        log(f"{name}: skipped ({reason})")
+        return [Row(name, c.phase, c.size, skipped=reason) for c in cases], {"skipped": reason}
+    rows, warm_total = [], 0.0
+    for case in cases:
+        try:
+            row, warm_s = _time_case(prep, case, repeats, bandwidth_gbs)
+        except Exception as exc:
+            row, warm_s = Row(name, case.phase, case.size, skipped=_reason(exc, log)), 0.0
+        warm_total += warm_s
+        rows.append(row)
+        log(_describe(row))
+    facts = _mode_facts(prep, prep.setup_s + warm_total)
+    for row in rows:
+        if row.skipped is None:
+            row.setup_s, row.pool_mib = facts["setup_s"], facts["pool_mib"]
+    log(f"{name}: setup {facts['setup_s']:.1f} s (capture {facts['capture_s']} s), pool {facts['pool_mib']} MiB, "
+        f"pieces {facts['pieces']}")
+    return rows, facts
+
+
+def _describe(row: Row) -> str:
+    key = "batch" if row.phase == "decode" else "tokens"
+    if row.skipped:
+        return f"{row.phase:7s} {key}={row.size:<5d} {row.mode:16s} skipped: {row.skipped}"
+    return (f"{row.phase:7s} {key}={row.size:<5d} {row.mode:16s} {row.ms:9.3f} ms  "
+            f"{row.hbm_frac:6.1%} of HBM floor  rel_err={row.rel_err:.1e}")
+
+
+def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[int], prefill: Sequence[int],
+              context: int = 256, repeats: int = 20, log: Log = print,
+              on_mode: Callable[[SweepResult], None] | None = None) -> SweepResult:
+    """Time ``modes`` on decode steps (``batches`` sequences at ``context`` cached tokens) and packed prefills
+    (``prefill`` total tokens each), all against the same eager references and caches.
+
+    Constraints: ``model`` is a reference :class:`~piecegraph.models.Decoder` (or loads like one); ``batches``
+    is non-empty (the decode cache is sized by it, and graphed modes capture with it); sizes are positive.
+    ``on_mode(result)`` runs after each mode with the rows so far (write partial results: a sweep cut short by a
+    time limit keeps the modes it finished).
+    """
+    if not batches or min(batches) < 1 or (prefill and min(prefill) < 1):
+        raise ValueError(f"batches {list(batches)} and prefill {list(prefill)} must be positive (batches non-empty)")
+    device = next(model.parameters()).device
+    bandwidth = measure_bandwidth_gbs(device)
+    log(f"copy bandwidth {bandwidth:.0f} GB/s")
+    cache = decode_cache(model, batches, context)
+    cases = decode_cases(model, cache, batches, context) + prefill_cases(model, prefill)
+    _references(model, cases)
+    result = SweepResult([], bandwidth_gbs=bandwidth)
+    for name in modes:
+        rows, facts = _run_mode(name, model, cases, capture_inputs(model, cache), repeats, bandwidth, log)
+        result.rows += rows
+        result.modes[name] = facts
+        bench_modes.release()
+        if on_mode is not None:
+            on_mode(result)
+    return result
