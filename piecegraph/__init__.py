@@ -4,6 +4,7 @@ from . import compile as _compile_stage  # noqa: F401  (bind the stage package b
 from .api import compile
 from .config import Config, default_capture_sizes
 from .context import forward_context, get_forward_context
+from .doctor import doctor
 from .graphed_module import GraphedModule
 from .ops import FrozenCacheMiss, freeze, freeze_package, opaque, prewarm, unfreeze
 from .ops.split import split_op
@@ -21,6 +22,7 @@ __all__ = [
     "freeze_package",
     "unfreeze",
     "prewarm",
+    "doctor",
     "FrozenCacheMiss",
 ]
 __version__ = "0.1.0"

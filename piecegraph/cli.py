@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from piecegraph.bench.command import bench
+from piecegraph.doctor.command import doctor
 from piecegraph.cli_common import load_model, resolve_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Piecewise CUDA graphs for PyTorch inference.")
@@ -67,6 +68,7 @@ def demo(
 
 # Each stage owns its command; the CLI only registers them.
 app.command()(bench)
+app.command()(doctor)
 
 if __name__ == "__main__":
     app()

@@ -129,3 +129,18 @@ def test_fake_matches_real_op(installed, name):
                 assert f is None
                 continue
             assert (tuple(r.shape), r.dtype, r.stride()) == (tuple(f.shape), f.dtype, f.stride()), (name, args)
+
+
+def test_piecegraph_piecewise_capture_of_the_flashinfer_model_equals_eager(small):
+    import piecegraph
+
+    model, _ = small
+    graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(8, 16, 32))
+    for n in (24, 5, 20):
+        x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            got, expected = graphed(x), model(x)
+        torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)
+        assert torch.equal(got[1], expected[1])  # packed fp4 rows of the real tokens
+    stats = graphed.stats()
+    assert stats["sizes"] == [8, 32] and stats["replays"] == 1 and stats["recompiles"] == 0

@@ -1,0 +1,122 @@
+"""``piecegraph.doctor(model, *inputs)``: prewarm, trace, attribute, count, choose fixes, (fix), probe capture."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from piecegraph.doctor.attribute import Finding, attribute
+from piecegraph.doctor.counting import count_calls
+from piecegraph.doctor.fixes import Applied, Fix, apply_fixes, choose_fixes, group_findings
+from piecegraph.doctor.index import CodeIndex, top_level
+from piecegraph.doctor.probe import CaptureFailure, count_pieces, probe_model
+from piecegraph.doctor.report import Report
+from piecegraph.doctor.trace import TraceResult, run_under, trace
+
+__all__ = ["doctor"]
+
+log = logging.getLogger("piecegraph.doctor")
+_FIX_ROUNDS = 3  # a fix can uncover the next break of the same call chain; three rounds cover loader + kernel
+_CAPTURE_ADVICE = {
+    "device sync": "remove the synchronize from the forward (a graph replays without host waits), or run it "
+                   "between pieces: piecegraph.opaque(fn, fake=..., split=True)",
+    ".item()": "keep host values out of the graph: pass them in through piecegraph.forward_context, or make the "
+               "op that reads them a split op (piecegraph.opaque(fn, fake=..., split=True))",
+}
+
+
+def _user_tops(model: Any, extra: tuple[str, ...]) -> set[str]:
+    """Top-level packages of the model's own code: its class (or function) module, plus ``extra``."""
+    owner = model if not isinstance(model, torch.nn.Module) else type(model)
+    tops = {top_level(getattr(owner, "__module__", None)) or "__main__", "__main__", *extra}
+    return {t for t in tops if t}
+
+
+def _device(model: Any, inputs: tuple, device: Optional[str]) -> str:
+    if device is not None:
+        return str(device)
+    tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
+    if isinstance(model, torch.nn.Module):
+        tensors += list(model.parameters())[:1]
+    return "cuda" if any(t.is_cuda for t in tensors) else "cpu"
+
+
+class _Stage:
+    """One trace of the model and everything derived from it (findings, fixes, breaks per forward)."""
+
+    def __init__(self, model: Callable, inputs: tuple, kwargs: dict, context: Any, user_tops: set[str]):
+        self.result: TraceResult = trace(model, inputs, kwargs, context)
+        self.findings: list[Finding] = attribute(self.result.breaks, CodeIndex(), user_tops)
+        counts = count_calls(model, inputs, kwargs, context, self.findings)
+        self.fixes: dict[int, Fix] = choose_fixes(self.findings, counts)
+        self.findings = [f for g in group_findings(self.findings) for f in g]
+
+    @property
+    def graph_breaks(self) -> int:
+        """Breaks per forward: each finding re-runs ``count`` times."""
+        return sum(f.count for f in self.findings)
+
+
+def _capture_finding(fail: CaptureFailure) -> Finding:
+    advice = next((v for k, v in _CAPTURE_ADVICE.items() if fail.why.startswith(k)),
+                  "run this op outside the graph: make it (or the function around it) a split op, "
+                  "piecegraph.opaque(fn, fake=..., split=True)")
+    category = "data_dependent" if fail.why.startswith(".item()") else "other"
+    return Finding("capture", category, "user", f"{fail.piece}:{fail.node}", None, None, fail.target,
+                   fail.location, 1, f"# {fail.location}: {advice}", reason=f"{fail.why}\n{fail.error}")
+
+
+def _fix_rounds(first: _Stage, run: Callable[[], _Stage], applied: Applied) -> _Stage:
+    stage = first
+    for _ in range(_FIX_ROUNDS):
+        if not stage.findings or apply_fixes(stage.findings, stage.fixes, applied) == 0:
+            break
+        stage = run()
+    return stage
+
+
+def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False, device: Optional[str] = None,
+           kwargs: Optional[dict] = None, user_packages: tuple[str, ...] = ()) -> Report:
+    """Name everything that blocks a full-graph trace or a CUDA-graph capture of ``model(*inputs)``, with fixes.
+
+    Runs the model eagerly a few times (prewarm, a profiled forward) and traces it once with Dynamo (breaks
+    allowed, dim 0 dynamic); ``context`` is the forward-context metadata the model needs
+    (``piecegraph.forward_context``). On CUDA each piece is then captured alone (see ``doctor.probe``).
+    ``fix=True`` applies the known fixes (FlashInfer adapter, ``opaque`` with a derived fake, ``freeze`` of
+    warm loaders) and traces again; they stay applied (``report.applied.undo()`` takes them back).
+    ``user_packages`` names top-level packages to treat as the user's own code besides the model's.
+
+    Constraints: resets Dynamo's caches (``torch._dynamo.reset()``); the inputs must be reusable for several
+    forwards. Example::
+
+        report = piecegraph.doctor(model, ids, positions, context=meta)
+        print(report.ok, [f.fix for f in report.findings])
+    """
+    from piecegraph.ops.prewarm import prewarm
+
+    start = time.perf_counter()
+    kwargs = dict(kwargs or {})
+    report = Report(torch=torch.__version__, device=_device(model, inputs, device))
+    tops = _user_tops(model, tuple(user_packages))
+    run_under(context, lambda: prewarm(model, *inputs, **kwargs))
+    stage = first = _Stage(model, inputs, kwargs, context, tops)
+    if fix and first.findings:
+        report.applied = Applied()
+        stage = _fix_rounds(first, lambda: _Stage(model, inputs, kwargs, context, tops), report.applied)
+        report.before = {"graph_breaks": first.graph_breaks, "findings": len(first.findings)}
+    report.findings = list(stage.findings)
+    report.graph_breaks = stage.graph_breaks
+    if stage.result.error is not None:
+        report.error = f"{type(stage.result.error).__name__}: {str(stage.result.error).splitlines()[0][:300]}"
+    report.pieces = sum(count_pieces(gm) for gm in stage.result.graphs)
+    if report.device.startswith("cuda") and torch.cuda.is_available() and stage.result.error is None:
+        report.pieces, failures = probe_model(model, inputs, kwargs, context)
+        report.findings += [_capture_finding(f) for f in failures]
+    report.seconds = time.perf_counter() - start
+    log.info("doctor: %d finding(s), %d graph break(s), %.1f s", len(report.findings), report.graph_breaks,
+             report.seconds)
+    return report
+

@@ -1,0 +1,127 @@
+"""Where code lives: source file -> module, and (file, function name, line) -> the function object and its cache.
+
+Built from ``sys.modules`` once per doctor run (module globals, and the methods of classes a module defines),
+so functions reachable only through closures or instances are not found; their frames are still named by file
+and line. Everything here is read-only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+__all__ = ["CodeIndex", "Located"]
+
+_LRU = functools._lru_cache_wrapper
+
+
+@dataclass(frozen=True)
+class Located:
+    """A function found for a frame: its object, qualified name, public alias, and the cache wrapping it."""
+
+    fn: Callable
+    qualname: str  # module.qualname where it is defined
+    alias: str  # the shortest importable name (``jitlib.scaled_add`` rather than ``jitlib.kernels.scaled_add``)
+    cache: Optional[Callable]  # the functools.cache / lru_cache wrapper whose __wrapped__ this is, if any
+    firstline: int
+
+
+def _real(path: str) -> str:
+    try:
+        return os.path.realpath(path)
+    except (OSError, ValueError):
+        return path
+
+
+class CodeIndex:
+    """Maps of the loaded modules; see the module docstring. Functions are indexed per module, on first query."""
+
+    def __init__(self) -> None:
+        self.module_of_file: dict[str, str] = {}
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None)
+            if isinstance(path, str) and path.endswith(".py"):
+                self.module_of_file.setdefault(os.path.abspath(path), name)
+        self.functions: dict[tuple[str, str], list[Located]] = {}
+        self._scanned: set[str] = set()
+        self._by_real: Optional[dict[str, str]] = None
+
+    # ------------------------------------------------------------------------------------------ building
+    def _add(self, fn: Callable, cache: Optional[Callable], path: str) -> None:
+        code = getattr(fn, "__code__", None)
+        if code is None or os.path.abspath(code.co_filename) != path:
+            return  # imported from elsewhere: indexed with its own module
+        found = self.functions.setdefault((path, code.co_name), [])
+        for i, f in enumerate(found):
+            if f.fn is fn:
+                if cache is not None:  # the cached wrapper was met after the bare function: record the cache
+                    found[i] = Located(f.fn, f.qualname, f.alias, cache, f.firstline)
+                return
+        qual = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', code.co_name)}"
+        found.append(Located(fn, qual, self._alias(fn, qual), cache, code.co_firstlineno))
+
+    def _scan(self, mod_name: str, path: str) -> None:
+        if mod_name in self._scanned:
+            return
+        self._scanned.add(mod_name)
+        namespace = getattr(sys.modules.get(mod_name), "__dict__", None) or {}
+        for value in list(namespace.values()):
+            if inspect.isclass(value) and getattr(value, "__module__", None) == mod_name:
+                members = [getattr(m, "__func__", m) for m in vars(value).values()]  # static/class methods too
+            else:
+                members = [value]
+            for m in members:
+                if type(m) is _LRU and inspect.isfunction(getattr(m, "__wrapped__", None)):
+                    self._add(m.__wrapped__, m, path)
+                elif inspect.isfunction(m):
+                    self._add(m, None, path)
+
+    @staticmethod
+    def _alias(fn: Callable, qual: str) -> str:
+        """``top.name`` when the top-level package re-exports the function (the public spelling), else qual."""
+        module = getattr(fn, "__module__", None) or ""
+        top = sys.modules.get(module.split(".")[0])
+        name = getattr(fn, "__name__", "")
+        if top is not None and module != top.__name__:
+            exported = getattr(top, name, None)
+            if exported is fn or getattr(exported, "__wrapped__", None) is fn:
+                return f"{top.__name__}.{name}"
+        return qual
+
+    # ------------------------------------------------------------------------------------------- lookups
+    def module(self, file: str) -> Optional[str]:
+        """The module name of a source file, or None (``<string>``, a file never imported)."""
+        found = self.module_of_file.get(os.path.abspath(file))
+        if found is None and os.path.exists(file):  # a symlinked path: compare real paths (slow, so built once)
+            if self._by_real is None:
+                self._by_real = {_real(p): m for p, m in self.module_of_file.items()}
+            found = self._by_real.get(_real(file))
+        return found
+
+    def function(self, file: str, name: str, line: int) -> Optional[Located]:
+        """The function whose code named ``name`` in ``file`` starts closest above ``line``."""
+        mod_name = self.module(file)
+        if mod_name is None:
+            return None
+        path = next((p for p, m in self.module_of_file.items() if m == mod_name), os.path.abspath(file))
+        self._scan(mod_name, path)
+        candidates = [f for f in self.functions.get((path, name), []) if f.firstline <= line]
+        return max(candidates, key=lambda f: f.firstline) if candidates else None
+
+
+def top_level(module: Optional[str]) -> Optional[str]:
+    return module.split(".")[0] if module else None
+
+
+def is_stdlib(module: Optional[str]) -> bool:
+    """Whether a module belongs to Python itself (``sys.stdlib_module_names``, Python 3.10+)."""
+    top = top_level(module)
+    return bool(top) and (top in getattr(sys, "stdlib_module_names", ()) or top in ("posix", "nt", "_io"))
+
+
+def caller_of(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"

@@ -1,0 +1,30 @@
+"""A doctor target: a small bf16 model calling FlashInfer's rmsnorm, silu_and_mul and fp4_quantize.
+
+`piecegraph doctor scripts/doctor_flashinfer.py:target --device cuda [--fix]` on a CUDA machine with FlashInfer.
+"""
+
+import torch
+
+
+class FlashInferBlock(torch.nn.Module):
+    def __init__(self, hidden: int = 256, inter: int = 512):
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.rand(hidden) + 0.5)
+        self.up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = torch.nn.Linear(inter, hidden, bias=False)
+        self.register_buffer("global_scale", torch.tensor([448.0 * 6.0 / 4.0]))
+
+    def forward(self, x):
+        import flashinfer
+
+        h = flashinfer.norm.rmsnorm(x, self.norm)
+        a = flashinfer.activation.silu_and_mul(self.up(h))
+        q, sf = flashinfer.fp4_quantize(a, self.global_scale)
+        return x + self.down(a), q, sf
+
+
+def target():
+    torch.manual_seed(0)
+    model = FlashInferBlock().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(24, 256, device="cuda", dtype=torch.bfloat16)
+    return model, (x,)
