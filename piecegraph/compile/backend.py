@@ -56,20 +56,23 @@ def _fake(node: torch.fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def _token_symbol(fakes: list[Any], token_dim: int) -> Any:
+def _token_symbols(fakes: list[Any], token_dim: int) -> frozenset[Any]:
+    """The symbols of the token dimension: one per input Dynamo could not relate to the others (an input that
+    only meets the rest inside an opaque op gets its own); the runner checks they agree at every call."""
+    symbols = set()
     for fake in fakes:
         if isinstance(fake, torch.Tensor) and fake.dim() > token_dim:
             size = fake.shape[token_dim]
-            if isinstance(size, torch.SymInt):
-                return size.node.expr
-    return None
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                symbols.add(size.node.expr)
+    return frozenset(symbols)
 
 
 def _classify_inputs(
     placeholders: list[torch.fx.Node], token_dim: int
 ) -> tuple[list[InputKind], Any, list[str]]:
     fakes = [_fake(n) for n in placeholders]
-    sym = _token_symbol(fakes, token_dim)
+    sym = _token_symbols(fakes, token_dim)
     names = []
     kinds = []
     for node, fake in zip(placeholders, fakes):
@@ -78,15 +81,15 @@ def _classify_inputs(
         name = name() if callable(name) else name  # Source.name is a method in older torch, a property in newer
         names.append(name)
         if isinstance(fake, torch.SymInt):
-            if sym is None or fake.node.expr != sym:
+            if fake.node.expr not in sym:
                 raise UnsupportedGraph(
                     f"graph input {name} is a symbolic size other than the token count; piecegraph buckets one "
                     "dynamic dimension (Config.token_dim). Mark only the token dimension dynamic."
                 )
             kinds.append(InputKind.COUNT)
-        elif isinstance(fake, torch.Tensor) and sym is not None and _is_token_tensor(fake, token_dim, sym):
+        elif isinstance(fake, torch.Tensor) and sym and _is_token_tensor(fake, token_dim, sym):
             kinds.append(InputKind.TOKENS)
-        elif isinstance(fake, torch.Tensor) and sym is None and _is_user_input(name):
+        elif isinstance(fake, torch.Tensor) and not sym and _is_user_input(name):
             kinds.append(InputKind.TOKENS)
         else:
             if isinstance(fake, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in fake.shape):
@@ -102,7 +105,7 @@ def _is_token_tensor(fake: torch.Tensor, token_dim: int, sym: Any) -> bool:
     if fake.dim() <= token_dim:
         return False
     size = fake.shape[token_dim]
-    return isinstance(size, torch.SymInt) and size.node.expr == sym
+    return isinstance(size, torch.SymInt) and size.node.expr in sym
 
 
 def _is_user_input(source_name: str) -> bool:
@@ -118,7 +121,7 @@ def _token_outputs(gm: torch.fx.GraphModule, token_dim: int, sym: Any, num_token
         fake = _fake(arg) if isinstance(arg, torch.fx.Node) else None
         if not isinstance(fake, torch.Tensor) or fake.dim() <= token_dim:
             flags.append(False)
-        elif sym is not None:
+        elif sym:
             flags.append(_is_token_tensor(fake, token_dim, sym))
         else:
             flags.append(num_tokens is not None and fake.shape[token_dim] == num_tokens)
@@ -167,7 +170,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         fake_mode = detect_fake_mode(example_inputs)
         fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
         fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    num_tokens = _static_token_count(example_inputs, kinds, config.token_dim) if sym is None else None
+    num_tokens = None if sym else _static_token_count(example_inputs, kinds, config.token_dim)
     state = CaptureState(check_addresses=config.check_addresses)
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
@@ -192,7 +195,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         infos=infos,
         kinds=kinds,
         token_outputs=_token_outputs(gm, config.token_dim, sym, num_tokens),
-        dynamic=sym is not None,
+        dynamic=bool(sym),
         names=names,
     )
 

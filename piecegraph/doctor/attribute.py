@@ -118,6 +118,8 @@ def categorize(primitive: str, reason: str, stdlib_modules: list[str], builtin_m
         scope = texts + [prose] if category in _FROM_REASON else texts
         if any(_mentions(w, scope) for w in words):
             return category
+    if primitive.endswith(".__call__"):  # Dynamo traces Python __call__s: one it cannot is a C extension's
+        return "ffi_call"
     if builtin_module is not None:
         return "unsupported_builtin" if is_stdlib(builtin_module) else "ffi_call"
     return "other"

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..graphs.capture import repair_rng_after_failed_capture
+
 from piecegraph.compile.split import split_graph
 from piecegraph.ops.split import split_op_names
 
@@ -103,6 +105,7 @@ def _try_capture(fn: Callable, args: list) -> Optional[str]:
             fn(*args)
         return None
     except Exception as err:
+        repair_rng_after_failed_capture()
         return _error_text(err)
     finally:
         del graph

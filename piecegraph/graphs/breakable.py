@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ops.split import op_name
-from .capture import CaptureState, Phase, weak_alias
+from .capture import CaptureState, Phase, repair_rng_after_failed_capture, weak_alias
 
 _RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("piecegraph_breakable", default=None)
 
@@ -77,6 +77,16 @@ class _Recorder:
             return  # two breaks in a row: nothing to replay (an empty graph refuses to replay)
         graph.replay()  # capture records without running: make the segment's values real
         self.steps.append(_Step(graph=graph))
+
+    def abort(self) -> None:
+        """Close a segment left open by an error, and repair the generator state a failed capture leaves."""
+        if self.graph is not None:
+            try:
+                self.graph.capture_end()
+            except Exception:  # the capture is already invalid: its own error is the one to report
+                pass
+            self.graph = None
+        repair_rng_after_failed_capture()
 
     def call_eager(self, fn: Callable[..., Any], args: tuple, kwargs: dict, copy_outputs: bool) -> Any:
         self.end()
@@ -150,8 +160,10 @@ class BreakableProgram:
                 try:
                     with _BreakAtSplitOps(recorder, self.split_names):
                         outputs = _as_tuple(self.model(*flat))
-                finally:
-                    recorder.end()
+                except BaseException:
+                    recorder.abort()
+                    raise
+                recorder.end()
         finally:
             _RECORDER.reset(token)
             caller.wait_stream(self.state.stream)

@@ -114,8 +114,12 @@ class GraphedPiece:
             entry = CapturedPiece(None, inputs, tensor_idx, _ptrs(args, tensor_idx), out)
         else:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=state.pool, stream=state.stream):
-                out = self.fn(*args)
+            try:
+                with torch.cuda.graph(graph, pool=state.pool, stream=state.stream):
+                    out = self.fn(*args)
+            except Exception:
+                repair_rng_after_failed_capture()
+                raise
             graph.replay()  # capture records without running: make this call's outputs real
             inputs = [weak_alias(a) if isinstance(a, torch.Tensor) else a for a in args]
             entry = CapturedPiece(
@@ -162,6 +166,19 @@ def _copy_into(dst: Any, src: Any) -> None:
     elif isinstance(dst, (tuple, list)):
         for d, s in zip(dst, src):
             _copy_into(d, s)
+
+
+def repair_rng_after_failed_capture() -> None:
+    """Give the CUDA generator a fresh state (same seed and offset) after a capture that failed midway.
+
+    A capture whose ``capture_end`` fails never runs the generator's capture epilogue, and every later random op
+    in the process then fails with "Offset increment outside graph capture".
+    """
+    if not torch.cuda.is_available():
+        return
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 def pool_bytes(pool: Any) -> int:

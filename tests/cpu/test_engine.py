@@ -187,3 +187,16 @@ def test_config_errors_name_the_argument():
         piecegraph.Config(max_tokens=0)
     assert piecegraph.default_capture_sizes(64) == (1, 2, 4, 8, 16, 32, 48, 64)
     assert piecegraph.Config(max_tokens=40).sizes == (1, 2, 4, 8, 16, 32, 40)
+
+
+def test_token_inputs_with_unrelated_symbols_share_one_bucket():
+    from toy import TwoTokenInputs
+
+    model = TwoTokenInputs().eval()
+    graphed = piecegraph.compile(model, compiler="eager", capture_sizes=SIZES, emulate_graphs=True)
+    for n in (3, 4, 1, 9):
+        x, w = torch.randn(n, 16), torch.rand(n)
+        with torch.no_grad():
+            assert _rel(graphed(x, w), model(x, w)) < 1e-5
+    with pytest.raises(ValueError, match="disagree on the token count"):
+        graphed(torch.randn(3, 16), torch.rand(4))

@@ -71,3 +71,19 @@ class GateModel(torch.nn.Module):
         out = torch.empty_like(h)
         torch.ops.pg_toy.gate(h, out)
         return self.b(out)
+
+
+_lib.define("scale_rows(Tensor x, Tensor w) -> Tensor")
+_lib.impl("scale_rows", lambda x, w: x * w[:, None], "CompositeExplicitAutograd")
+_lib._register_fake("scale_rows", lambda x, w: torch.empty_like(x))
+
+
+class TwoTokenInputs(torch.nn.Module):
+    """``w`` meets ``x`` only inside an opaque op, so Dynamo gives its token dimension a symbol of its own."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.ops.pg_toy.scale_rows(x, w))

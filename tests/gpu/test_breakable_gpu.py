@@ -1,6 +1,5 @@
 """Breakable capture, auto's fallback and verify on a GPU."""
 
-import os
 import warnings
 
 import pytest
@@ -24,15 +23,16 @@ piecegraph.split_op("pg_gpu_test::fresh_split")
 
 
 class Untraceable(torch.nn.Module):
-    """os.stat in the forward: Dynamo stops at posix.stat, stream capture does not mind."""
+    """A graph break in the forward: Dynamo (fullgraph) refuses it, stream capture does not mind."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
 
     def forward(self, x):
-        os.stat(__file__)
-        return self.b(torch.relu(self.a(x)))
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
 
 
 class HostRead(torch.nn.Module):
@@ -62,7 +62,7 @@ def test_auto_falls_back_to_breakable_graphs_for_an_untraceable_model():
             x = torch.randn(n, 64, device="cuda")
             with torch.no_grad():
                 torch.testing.assert_close(graphed(x), model(x))
-    assert any("breakable CUDA graphs" in str(w.message) and "stat" in str(w.message) for w in caught)
+    assert any("breakable CUDA graphs" in str(w.message) for w in caught), [str(w.message) for w in caught]
     stats = graphed.stats()
     assert stats["mode"] == "breakable" and stats["sizes"] == [4, 8, 16] and stats["replays"] == 1
 
