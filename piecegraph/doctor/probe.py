@@ -68,6 +68,8 @@ def why_capture_fails(target: str, error: str, kwargs: Optional[dict] = None) ->
         return "device sync (synchronize during capture)"
     if leaf in _HOST or "_local_scalar_dense" in low or (leaf in ("to", "copy_") and "cpu" in str(kwargs)):
         return ".item() / copy to host (waits for the device)"
+    if "not permitted when stream is capturing" in err:  # cudaErrorStreamCaptureUnsupported: something waited
+        return "device sync (an operation that waits for the device: synchronize, a host copy, an event query)"
     if "pin_memory" in low or kwargs.get("pin_memory") or str(kwargs.get("device", "")) == "cpu":
         return "pinned or host allocation"
     if "unjoined" in err or "isolation" in err:
@@ -207,8 +209,8 @@ def probe_model(model: Callable, args: tuple, kwargs: Optional[dict] = None, con
     finally:
         torch._dynamo.reset()
     pieces, failures = 0, []
-    for gm, real_args in runs:
-        n, found = probe_graph(gm, real_args)
+    for gm, real_args in runs:  # split ops inside the pieces' inputs run for real: under the model's context
+        n, found = run_under(context, lambda: probe_graph(gm, real_args))
         pieces += n
         failures += found
     return pieces, failures

@@ -22,14 +22,22 @@ class ItemPiece(torch.nn.Module):
         return y + s
 
 
+def synchronize_and_double(x: torch.Tensor) -> torch.Tensor:
+    torch.cuda.synchronize()
+    return x * 2
+
+
+# An opaque op keeps the sync inside the traced piece: Dynamo 2.11 breaks the graph at a bare synchronize().
+synchronize_and_double_op = piecegraph.opaque(synchronize_and_double, fake="like:x")
+
+
 class SyncPiece(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(16, 16)
 
     def forward(self, x):
-        y = self.lin(x) * 2
-        torch.cuda.synchronize()
+        y = synchronize_and_double_op(self.lin(x) * 2)
         return torch.relu(y) + 1
 
 
