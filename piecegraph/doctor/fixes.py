@@ -26,7 +26,7 @@ from piecegraph.doctor.counting import CallCounts, _key_of
 __all__ = ["Applied", "choose_fixes", "group_findings", "apply_fixes", "derive_fake"]
 
 log = logging.getLogger("piecegraph.doctor")
-_FLASHINFER_FIX = "import piecegraph.ops.adapters.flashinfer as pf; pf.install()"
+_FLASHINFER_FIX = "import piecegraph.adapters.flashinfer; piecegraph.adapters.flashinfer.install()"
 _USER_ADVICE = {
     "data_dependent": "keep host values out of the forward (compute them before the call, pass them through "
                       "piecegraph.forward_context), or set torch._dynamo.config.capture_scalar_outputs = True",

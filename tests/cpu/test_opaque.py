@@ -196,3 +196,34 @@ def test_unsupported_types_name_the_argument():
     for fn, match in ((takes_object, "'cfg'"), (untyped, "'x'"), (no_return, "return"), (needs_fake, "fake")):
         with pytest.raises(OpaqueError, match=match):
             opaque(fn)
+
+
+class JitAndSplit(torch.nn.Module):
+    """The JIT fixture's kernel (made opaque) and a split op (the toy's mixing op) in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, pos):
+        h = scaled_add(self.a(x).contiguous(), pos[:, None].expand(-1, 16).contiguous(), 0.5)
+        out = torch.empty_like(h)
+        torch.ops.pg_toy.mix(h, out)
+        return self.b(out)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_opaque_jit_kernel_inside_piecegraph_compile_with_a_split_op(compiler):
+    import piecegraph
+    import toy  # noqa: F401 - registers the split op pg_toy::mix
+
+    model = JitAndSplit().eval()
+    graphed = piecegraph.compile(model, compiler=compiler, capture_sizes=(4, 8), emulate_graphs=True)
+    for n in (3, 8, 5):
+        x, pos = torch.randn(n, 16), torch.rand(n)
+        with piecegraph.forward_context({"n": n}), torch.no_grad():
+            torch.testing.assert_close(graphed(x, pos), model(x, pos))
+    stats = graphed.stats()  # one fullgraph trace (a break would have failed it), cut at the split op
+    assert stats["pieces"] == 2 and stats["split_ops"] == 1 and stats["recompiles"] == 0
+    assert stats["sizes"] == [4, 8] and stats["replays"] == 1
