@@ -15,7 +15,7 @@ import torch
 
 from .compile.backend import build_program
 from .graphs.breakable import build_breakable_program
-from .graphs.fallback import apply_known_fixes, fallback_warning
+from .graphs.fallback import apply_known_fixes, doctor_summary, fallback_warning
 from .ops.prewarm import prewarm
 from .config import Config
 from .runner import FlatRunner
@@ -127,7 +127,8 @@ class GraphedModule(torch.nn.Module):
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
         if not on_cuda:
             self.runner.graphs = False
-        warnings.warn(fallback_warning(error, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
+        summary = doctor_summary(self.model, values, error)
+        warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
 
     def _try_trace(self, values: dict[str, Any], config: Config) -> Exception | None:
         try:

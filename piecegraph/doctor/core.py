@@ -120,3 +120,18 @@ def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False
              report.seconds)
     return report
 
+
+
+def blocker_lines(model: Callable, inputs: tuple, kwargs: Optional[dict] = None, context: Any = None,
+                  limit: int = 3) -> list[str]:
+    """The doctor's summary of what blocks tracing: one line per root cause, most findings first.
+
+    Traces once (no capture probe, no fixes): ``mode="auto"`` names its blockers with this when it falls back.
+    """
+    stage = _Stage(model, inputs, dict(kwargs or {}), context, _user_tops(model, ()))
+    lines = []
+    for group in group_findings(stage.findings)[:limit]:
+        f = group[0]
+        chain = " ▸ ".join(x for x in (f.package, f.entry, f.loader) if x)
+        lines.append(f"{chain}: {f.primitive} ({f.category}, {f.location}); fix: {f.fix}")
+    return lines

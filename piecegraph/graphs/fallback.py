@@ -74,10 +74,23 @@ def blocker_summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {message[:200]}{where}"
 
 
-def fallback_warning(error: BaseException, fixes: list[str], fallback: str) -> str:
+def doctor_summary(model: Any, values: dict[str, Any], error: BaseException) -> str:
+    """The doctor's blockers (package ▸ entry ▸ loader: primitive, with the fix), else the error's own line."""
+    from ..context import current_forward_context
+    from ..doctor.core import blocker_lines
+
+    try:
+        lines = blocker_lines(model, (), kwargs=values, context=current_forward_context(), limit=3)
+    except Exception as err:  # the summary must never hide the fallback itself
+        log.info("piecegraph auto: the doctor could not summarise the blockers: %s", err)
+        lines = []
+    return "; ".join(lines) if lines else blocker_summary(error)
+
+
+def fallback_warning(summary: str, fixes: list[str], fallback: str) -> str:
     tried = f" after trying {'; '.join(fixes)}" if fixes else ""
     return (
-        f"piecegraph auto: the model does not trace with Dynamo{tried}: {blocker_summary(error)}. "
+        f"piecegraph auto: the model does not trace with Dynamo{tried}. Blockers: {summary}. "
         f"Running {fallback} instead, which gives up Inductor's fusion (about 2x at small batches). "
-        "Run `piecegraph doctor` on the model for every blocker and its fix."
+        "`piecegraph doctor` lists every blocker with its fix."
     )
