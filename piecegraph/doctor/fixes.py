@@ -61,7 +61,7 @@ def derive_fake(fn: Callable, bound: dict[str, Any]) -> Optional[str]:
     Runs ``fn`` once for real (it was just called with these arguments in the eager forward, so its caches are
     warm). Multiple outputs or an output matching no argument give None: the user must write the fake.
     """
-    from piecegraph.ops.opaque import OpaqueError, infer_schema
+    from piecegraph.ops.signature import OpaqueError, infer_schema
 
     try:
         infer_schema(fn)
