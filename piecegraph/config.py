@@ -32,7 +32,9 @@ class Config:
             graph of the whole compiled model per size, split ops included: for decode), ``"none"`` (compiled
             pieces, no graphs: the CPU path), ``"breakable"`` (no Dynamo: the eager forward captured in segments
             cut at split ops, for models Dynamo cannot trace), ``"auto"`` (piecewise; if tracing fails, the fixes
-            piecegraph knows, then piecewise again; else breakable, with one warning naming the blockers).
+            piecegraph knows, then piecewise again; else breakable, with one warning naming the blockers;
+            naming them runs the doctor's trace, which resets Dynamo's caches, so other torch.compile'd code
+            recompiles once).
         split_ops: extra split ops as ``"namespace::name"`` strings or op objects, on top of those declared with
             :func:`piecegraph.split_op`.
         capture_sizes: token counts to capture; default :func:`default_capture_sizes` of ``max_tokens``.

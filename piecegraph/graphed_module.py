@@ -116,7 +116,7 @@ class GraphedModule(torch.nn.Module):
         if error is not None:
             fixes = apply_known_fixes(self.model, values, error)
             if fixes:
-                error = self._try_trace(values, config) or None
+                error = self._try_trace(values, config)
         if error is None:
             if self.config.verify is None:
                 self.runner.verify_left = 1  # auto checks its first capture by default
