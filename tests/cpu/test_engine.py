@@ -200,3 +200,29 @@ def test_token_inputs_with_unrelated_symbols_share_one_bucket():
             assert _rel(graphed(x, w), model(x, w)) < 1e-5
     with pytest.raises(ValueError, match="disagree on the token count"):
         graphed(torch.randn(3, 16), torch.rand(4))
+
+
+def test_capture_all_sizes_largest_first_then_recapture(toy):
+    graphed = piecegraph.compile(toy, compiler="eager", capture_sizes=SIZES, emulate_graphs=True)
+
+    def make_inputs(n):
+        return (torch.randn(n, 16), torch.arange(n)), {"n": n}
+
+    seconds = graphed.capture(make_inputs)
+    assert list(graphed.runner.capture_s) == [8, 4, 2] and set(seconds) == {2, 4, 8}
+    out, _ = _call(graphed, 3, seed=4)
+    assert graphed.stats()["replays"] == 1
+    graphed.recapture()
+    assert graphed.stats()["sizes"] == []
+    again, _ = _call(graphed, 3, seed=4)
+    assert torch.equal(out, again) and graphed.stats()["sizes"] == [4]
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("PIECEGRAPH_MODE", "none")
+    monkeypatch.setenv("PIECEGRAPH_COMPILER", "eager")
+    config = piecegraph.Config.from_env(max_tokens=32)
+    assert (config.mode, config.compiler, config.max_tokens) == ("none", "eager", 32)
+    monkeypatch.setenv("PIECEGRAPH_MODE", "fastest")
+    with pytest.raises(ValueError, match="mode='fastest'"):
+        piecegraph.Config.from_env()
