@@ -15,7 +15,7 @@ import torch
 
 from .compile.backend import build_program
 from .graphs.breakable import build_breakable_program
-from .graphs.fallback import apply_known_fixes, doctor_summary, fallback_warning
+from .graphs.fallback import apply_doctor_fixes, doctor_summary, fallback_warning
 from .ops.prewarm import prewarm
 from .config import Config
 from .runner import FlatRunner
@@ -113,10 +113,12 @@ class GraphedModule(torch.nn.Module):
         config = self.config.replace(mode="piecewise", verify=bool(self.config.verify))
         error = self._try_trace(values, config)
         fixes: list[str] = []
+        summary = ""
         if error is not None:
-            fixes = apply_known_fixes(self.model, values, error)
+            fixes, summary = apply_doctor_fixes(self.model, values)
             if fixes:
                 error = self._try_trace(values, config)
+                summary = ""  # the blockers the fixes left are the ones to name
         if error is None:
             if self.config.verify is None:
                 self.runner.verify_left = 1  # auto checks its first capture by default
@@ -127,7 +129,7 @@ class GraphedModule(torch.nn.Module):
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
         if not on_cuda:
             self.runner.graphs = False
-        summary = doctor_summary(self.model, values, error)
+        summary = summary or doctor_summary(self.model, values, error)
         warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
 
     def _try_trace(self, values: dict[str, Any], config: Config) -> Exception | None:

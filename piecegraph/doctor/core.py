@@ -122,6 +122,18 @@ def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False
 
 
 
+_SAFE_ACTIONS = ("flashinfer", "freeze")  # fixes that change no results: no derived fakes without a user's look
+
+
+def _blocker_lines(findings: list[Finding], limit: int) -> list[str]:
+    lines = []
+    for group in group_findings(findings)[:limit]:
+        f = group[0]
+        chain = " ▸ ".join(x for x in (f.package, f.entry, f.loader) if x)
+        lines.append(f"{chain}: {f.primitive} ({f.category}, {f.location}); fix: {f.fix}")
+    return lines
+
+
 def blocker_lines(model: Callable, inputs: tuple, kwargs: Optional[dict] = None, context: Any = None,
                   limit: int = 3) -> list[str]:
     """The doctor's summary of what blocks tracing: one line per root cause, most findings first.
@@ -129,9 +141,18 @@ def blocker_lines(model: Callable, inputs: tuple, kwargs: Optional[dict] = None,
     Traces once (no capture probe, no fixes): ``mode="auto"`` names its blockers with this when it falls back.
     """
     stage = _Stage(model, inputs, dict(kwargs or {}), context, _user_tops(model, ()))
-    lines = []
-    for group in group_findings(stage.findings)[:limit]:
-        f = group[0]
-        chain = " ▸ ".join(x for x in (f.package, f.entry, f.loader) if x)
-        lines.append(f"{chain}: {f.primitive} ({f.category}, {f.location}); fix: {f.fix}")
-    return lines
+    return _blocker_lines(stage.findings, limit)
+
+
+def apply_safe_fixes(model: Callable, inputs: tuple, kwargs: Optional[dict] = None, context: Any = None,
+                     limit: int = 3) -> tuple[list[str], list[str]]:
+    """``mode="auto"``'s fixes: trace once and apply the FlashInfer adapter and ``freeze`` of warm loaders.
+
+    ``opaque`` with a derived fake is left to ``piecegraph doctor --fix``, where the user sees it. Returns the
+    code of each fix applied and the blocker lines (:func:`blocker_lines`) found before applying them.
+    """
+    stage = _Stage(model, inputs, dict(kwargs or {}), context, _user_tops(model, ()))
+    safe = [f for f in stage.findings if stage.fixes[id(f)].action in _SAFE_ACTIONS]
+    applied = Applied()
+    apply_fixes(safe, stage.fixes, applied)
+    return applied.codes, _blocker_lines(stage.findings, limit)

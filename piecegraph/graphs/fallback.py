@@ -3,64 +3,25 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 log = logging.getLogger("piecegraph")
 
 
-def _error_frames(error: BaseException) -> list[str]:
-    """File names on the user stack of a Dynamo error (``real_stack``), else on its traceback."""
-    stack = getattr(error, "real_stack", None)
-    if stack:
-        return [frame.filename for frame in stack]
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return frames
+def apply_doctor_fixes(model: Any, values: dict[str, Any]) -> tuple[list[str], str]:
+    """The doctor's safe fixes (FlashInfer adapter, freeze of warm loaders), applied; and its blocker summary.
 
-
-def _packages_on_stack(error: BaseException) -> list[str]:
-    """Top-level packages (not torch, not piecegraph, not the standard library) whose files the error passed."""
-    files = set(_error_frames(error))
-    found = []
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        top = name.split(".")[0]
-        if path in files and top not in ("torch", "piecegraph", "functools") and top not in found:
-            if not path.startswith(sys.base_prefix) or "site-packages" in path:
-                found.append(top)
-    return found
-
-
-def apply_known_fixes(model: Any, values: dict[str, Any], error: BaseException) -> list[str]:
-    """Apply what piecegraph knows fixes a trace failure; return a description of each fix applied.
-
-    FlashInfer loaded: its adapter (opaque ops with fakes, frozen probes). Packages on the failing stack: their
-    warm functools-cached loaders are frozen so Dynamo reads them as constants. Nothing else is changed.
+    Returns the code of each fix applied and the blockers the doctor found before them ("" if it could not run).
     """
-    from ..ops.freeze import freeze_package
+    from ..context import current_forward_context
+    from ..doctor.core import apply_safe_fixes
 
-    fixes = []
-    if "flashinfer" in sys.modules:
-        from ..ops.adapters import flashinfer
-
-        try:
-            installed = flashinfer.install()
-            fixes.append(f"piecegraph.adapters.flashinfer.install() ({len(installed.ops)} ops)")
-        except Exception as err:  # a broken adapter must not hide the original failure
-            log.warning("piecegraph auto: FlashInfer adapter failed: %s", err)
-    for package in _packages_on_stack(error):
-        try:
-            frozen = freeze_package(package)
-        except Exception as err:
-            log.info("piecegraph auto: could not freeze %s: %s", package, err)
-            continue
-        if frozen:
-            fixes.append(f"piecegraph.freeze_package({package!r}) ({len(frozen)} loaders)")
-    return fixes
+    try:
+        fixes, lines = apply_safe_fixes(model, (), kwargs=values, context=current_forward_context())
+    except Exception as err:  # the doctor must never hide the fallback itself
+        log.info("piecegraph auto: the doctor could not run: %s", err)
+        return [], ""
+    return fixes, "; ".join(lines)
 
 
 def blocker_summary(error: BaseException) -> str:

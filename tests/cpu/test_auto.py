@@ -14,7 +14,8 @@ if jitlib.compiler() is None:
 
 
 class JitModel(torch.nn.Module):
-    """Calls the JIT library's kernel itself: a ctypes call Dynamo can never trace."""
+    """A warm cached loader (fixable: freeze) and the JIT library's kernel itself (a ctypes call: not fixable
+    without a fake the user should see, so auto falls back)."""
 
     def __init__(self):
         super().__init__()
@@ -22,7 +23,8 @@ class JitModel(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.rand(8) + 0.5)
 
     def forward(self, x):
-        return jitlib.rmsnorm(self.a(x).contiguous(), self.w) * 2
+        version = jitlib.compiler_version()
+        return jitlib.rmsnorm(self.a(x).contiguous(), self.w) * (2.0 + 0.0 * len(version))
 
 
 class LoaderModel(torch.nn.Module):
@@ -57,7 +59,8 @@ def test_untraceable_model_falls_back_with_one_warning_and_same_results():
         again = graphed(torch.randn(3, 8))
     (warning,) = _fallback_warnings(caught)
     text = str(warning.message)
-    assert "freeze_package('jitlib')" in text  # the fix it tried first
+    assert "after trying piecegraph.freeze(" in text and "compiler_version" in text  # the fix it tried first
+    assert "piecegraph.opaque(jitlib.rmsnorm" in text  # the blocker left, with the fix to paste
     assert "Inductor's fusion" in text and "eager" in text and "piecegraph doctor" in text
     assert "jitlib" in text or "kernels.py" in text  # names the blocker
     with torch.no_grad():
