@@ -24,7 +24,7 @@ def _ints(text: str, option: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option)
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option) from None
     if any(v < 1 for v in values):
         raise typer.BadParameter(f"{text!r}: sizes must be positive", param_hint=option)
     return values

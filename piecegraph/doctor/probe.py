@@ -210,7 +210,7 @@ def probe_model(model: Callable, args: tuple, kwargs: Optional[dict] = None, con
         torch._dynamo.reset()
     pieces, failures = 0, []
     for gm, real_args in runs:  # split ops inside the pieces' inputs run for real: under the model's context
-        n, found = run_under(context, lambda: probe_graph(gm, real_args))
+        n, found = run_under(context, lambda gm=gm, real_args=real_args: probe_graph(gm, real_args))
         pieces += n
         failures += found
     return pieces, failures
