@@ -22,6 +22,8 @@ from .runner import FlatRunner
 
 log = logging.getLogger("piecegraph")
 
+# The live modules, for the one global hook torch offers on parameter and buffer registration: a re-registered
+# parameter must reach the GraphedModule whose graphs read the old one. Weak: it keeps nothing alive.
 _LIVE: "weakref.WeakSet[GraphedModule]" = weakref.WeakSet()
 
 
