@@ -47,6 +47,7 @@ class GraphedModule(torch.nn.Module):
         self._binding: list[tuple[str, Any]] | None = None
         self._pack: Callable[[tuple[Any, ...]], Any] | None = None
         self._constants: dict[str, Any] = {}
+        self._known_args: frozenset[str] = frozenset()  # every argument name the trace saw
         self._stale = False
         _LIVE.add(self)
 
@@ -107,6 +108,7 @@ class GraphedModule(torch.nn.Module):
         self._binding = [("arg", name) for name in values]
         self._pack = _unpack_single if program.single_output else tuple
         self._constants = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        self._known_args = frozenset(values)
         self._static_names = {}
         self._modules_seen = set()
 
@@ -168,6 +170,7 @@ class GraphedModule(torch.nn.Module):
             return
         runner.names = [v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)]
         self._constants = {k: v for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
+        self._known_args = frozenset(trace_values)
         self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names)) if kind == "static"}
         self._binding = binding
         self._pack = pack
@@ -190,9 +193,9 @@ class GraphedModule(torch.nn.Module):
                 flat.append(0)  # the runner sets the token count
             else:
                 flat.append(value)
-        extra = set(values) - {v for k, v in self._binding if k == "arg"} - set(self._constants)
-        if extra:
-            raise TypeError(f"arguments {sorted(extra)} were not given when the model was traced")
+        if not self._known_args.issuperset(values):
+            extra = sorted(set(values) - self._known_args)
+            raise TypeError(f"arguments {extra} were not given when the model was traced")
         return flat
 
     # -- weights ----------------------------------------------------------------------------------------

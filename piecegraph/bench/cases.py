@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from piecegraph.models import AttentionMetadata, Decoder, KVCache, dummy_inputs
+from piecegraph.models.generate import device_dtype
 
 # Relative lengths of the packed prompts of a prefill batch: mixed on purpose (varlen attention, uneven work).
 _PREFILL_WEIGHTS = (7, 2, 5, 1, 3, 8, 2, 4)
@@ -38,11 +39,6 @@ class Case:
 
     def args(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids[i % len(self.ids)], self.positions
-
-
-def _device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    param = next(model.parameters())
-    return param.device, param.dtype
 
 
 def weight_bytes_read(model: torch.nn.Module, tokens: int) -> int:
@@ -73,7 +69,7 @@ def _ids(model: Decoder, n: int, seed: int, device: torch.device) -> list[torch.
 
 def decode_cache(model: Decoder, batches: Sequence[int], context: int) -> KVCache:
     """One cache for every decode batch: ``max(batches)`` slots, ``context`` random cached tokens each (+ room)."""
-    device, dtype = _device_dtype(model)
+    device, dtype = device_dtype(model)
     cache = KVCache(model.config, num_slots=max(batches), max_len=context + 8, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     for k, v in zip(cache.k, cache.v):
@@ -84,7 +80,7 @@ def decode_cache(model: Decoder, batches: Sequence[int], context: int) -> KVCach
 
 def decode_cases(model: Decoder, cache: KVCache, batches: Sequence[int], context: int) -> list[Case]:
     """One decode step per batch: ``batch`` sequences (slots ``1..batch``) with ``context`` cached tokens each."""
-    device, _ = _device_dtype(model)
+    device, _ = device_dtype(model)
     per_token = kv_bytes_per_token(model, cache.dtype)
     cases = []
     for b in batches:
@@ -113,7 +109,7 @@ def prefill_cases(model: Decoder, totals: Sequence[int]) -> list[Case]:
     """One packed prefill per total: fresh prompts of :func:`prefill_lengths`, in one shared cache."""
     if not totals:
         return []
-    device, dtype = _device_dtype(model)
+    device, dtype = device_dtype(model)
     layouts = [prefill_lengths(t) for t in totals]
     longest = max(max(lengths) for lengths in layouts)
     slots = max(len(lengths) for lengths in layouts)

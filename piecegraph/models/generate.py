@@ -14,7 +14,8 @@ from piecegraph.models.decoder import Decoder
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _model_device_dtype(model: Decoder) -> tuple[torch.device, torch.dtype]:
+def device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of ``model``'s first parameter (the reference models keep all on one)."""
     param = next(model.parameters())
     return param.device, param.dtype
 
@@ -44,7 +45,7 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: i
         raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
-    device, dtype = _model_device_dtype(model)
+    device, dtype = device_dtype(model)
     longest = max(len(p) for p in prompts) + max_new_tokens
     if cache is None:
         cache = KVCache(model.config, num_slots=len(prompts), max_len=longest, dtype=dtype, device=device)
