@@ -59,10 +59,7 @@ class FlatRunner:
             flat = list(flat)
             for i in self.count_idx:
                 flat[i] = n
-        if self.tracing or not self.graphs:
-            return self._run(flat)
-        self._check_device(flat)
-        if not self.graphs:
+        if self.tracing or not self.graphs or (self.buffers is None and not self._graphs_possible(flat)):
             return self._run(flat)
         if not self.sizes:  # a static graph: its one size is the traced one
             self.sizes = (n,)
@@ -111,16 +108,18 @@ class FlatRunner:
             raise ValueError(f"input {self.names[first]} has no tokens (dim {td} is 0)")
         return n
 
-    def _check_device(self, flat: Sequence[Any]) -> None:
+    def _graphs_possible(self, flat: Sequence[Any]) -> bool:
+        """Checked once, before the static buffers exist: they then pin the device (``_check_like``)."""
         x = flat[self.token_idx[0]]
         if x.is_cuda or self.config.emulate_graphs:
-            return
+            return True
         warnings.warn(
             f"piecegraph: mode={self.config.mode!r} captures CUDA graphs, but input {self.names[self.token_idx[0]]}"
             f" is on {x.device}; running the compiled pieces without graphs (mode='none').",
             stacklevel=3,
         )
         self.graphs = False
+        return False
 
     # -- staging ----------------------------------------------------------------------------------------
     def _stage(self, flat: Sequence[Any], n: int, size: int) -> list[Any]:

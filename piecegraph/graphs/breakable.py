@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ops.split import op_name
-from .capture import CaptureState, Phase, repair_rng_after_failed_capture, weak_alias
+from .capture import CaptureState, Phase, copy_into, repair_rng_after_failed_capture, weak_alias
 
 _RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("piecegraph_breakable", default=None)
 
@@ -179,7 +179,7 @@ class BreakableProgram:
                 continue
             fresh = step.fn(*step.args, **step.kwargs)
             if step.copy_outputs:
-                _copy_tree(step.outputs, fresh)
+                copy_into(step.outputs, fresh)
         return outputs
 
 
@@ -188,13 +188,6 @@ def _weak_step(step: _Step) -> _Step:
         return step
     alias = functools.partial(tree_map_only, torch.Tensor, weak_alias)
     return _Step(None, step.fn, alias(step.args), alias(step.kwargs), alias(step.outputs), step.copy_outputs)
-
-
-def _copy_tree(dst: Any, src: Any) -> None:
-    dst_leaves, src_leaves = tree_flatten(dst)[0], tree_flatten(src)[0]
-    for d, s in zip(dst_leaves, src_leaves):
-        if isinstance(d, torch.Tensor) and d.data_ptr() != s.data_ptr():
-            d.copy_(s)
 
 
 def _as_tuple(out: Any) -> tuple[Any, ...]:

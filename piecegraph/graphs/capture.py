@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 from unittest import mock
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 log = logging.getLogger("piecegraph")
 
@@ -135,7 +135,7 @@ class GraphedPiece:
             entry.graph.replay()
             return entry.outputs
         fresh = self.fn(*entry.inputs)
-        _copy_into(entry.outputs, fresh)
+        copy_into(entry.outputs, fresh)
         return entry.outputs
 
     def _copy_moved_inputs(self, entry: CapturedPiece, args: tuple[Any, ...]) -> None:
@@ -159,13 +159,12 @@ def _ptrs(args: Any, idx: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(args[i].data_ptr() for i in idx)
 
 
-def _copy_into(dst: Any, src: Any) -> None:
-    if isinstance(dst, torch.Tensor):
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s in zip(dst, src):
-            _copy_into(d, s)
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy each tensor of ``src`` into the tensor at the same place in ``dst`` (a captured output) unless they
+    already share memory: what a replay must do for a piece or function that returns fresh tensors."""
+    for d, s in zip(tree_flatten(dst)[0], tree_flatten(src)[0]):
+        if isinstance(d, torch.Tensor) and d.data_ptr() != s.data_ptr():
+            d.copy_(s)
 
 
 def repair_rng_after_failed_capture() -> None:
