@@ -48,7 +48,8 @@ class FreezeError(TypeError):
 class FrozenCacheMiss(RuntimeError):
     """A frozen loader was called with arguments it never saw while warm.
 
-    Raised while tracing (where calling the real loader would stop Dynamo), and in eager mode when frozen with
+    Raised while tracing (where calling the real loader would stop Dynamo), while a CUDA graph is being captured
+    (where a JIT build would run, or fail, inside the capture), and in plain eager calls when frozen with
     ``strict=True``. The fix is to run that call before compiling: ``piecegraph.prewarm(model, *inputs)`` with
     inputs that reach it, or a direct call with those arguments before ``freeze``.
     """
@@ -139,10 +140,10 @@ def _binder(fn: Callable) -> Callable[[tuple, dict], tuple]:
     return bound_key
 
 
-def _describe(name: str, args: tuple, kwargs: dict) -> str:
+def _describe(name: str, args: tuple, kwargs: dict, where: str = "tracing") -> str:
     call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
     return (f"frozen loader {name}({call}) was never called with these arguments while warm, and calling it now "
-            f"would run its loader (file checks, compiler, locks) inside tracing. Run this call before compiling: "
+            f"would run its loader (file checks, compiler, locks) inside {where}. Run this call before compiling: "
             f"piecegraph.prewarm(model, *example_inputs) with inputs that reach it, or call {name}({call}) once "
             f"before freeze(); or unfreeze({name.rsplit('.', 1)[-1]}).")
 
@@ -163,12 +164,21 @@ def _miss(record: _Frozen, key: tuple, args: tuple, kwargs: dict) -> Any:
         if _comptime is not None:
             _comptime(_raise_in_trace)
         raise FrozenCacheMiss(f"frozen loader {name} was called while tracing with arguments it never saw warm")
+    if _capturing():
+        raise FrozenCacheMiss(_describe(name, args, kwargs, "CUDA graph capture"))
     if record.strict:
-        raise FrozenCacheMiss(_describe(name, args, kwargs))
-    value = record.original(*args, **kwargs)  # eager: the real loader is fine here, and its result is kept
+        raise FrozenCacheMiss(_describe(name, args, kwargs, "an eager call (strict=True)"))
+    # Plain eager: the real loader is safe here (FlashInfer's own eager calls go through it), and its result is
+    # kept so that a later trace finds it.
+    log.info("freeze: %s missed its frozen table in an eager call; ran the real loader", name)
+    value = record.original(*args, **kwargs)
     if record.limit is None or len(record.table) < record.limit:
         record.table[key] = value
     return value
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _make_frozen(record: _Frozen) -> Callable:
@@ -239,9 +249,10 @@ def freeze(fn: Callable, *, calls: Optional[Iterable[Any]] = None, strict: bool 
 
     The replacement is bound wherever ``fn`` was found: its module attribute and every loaded module that
     imported it by name. A call with arguments seen while warm returns the cached object (Dynamo traces this as
-    a dict lookup: no graph break); one never seen raises :class:`FrozenCacheMiss` naming the loader and the
-    arguments while tracing, and in eager mode calls the original and keeps the result (``strict=True``: raise
-    there too). ``calls`` lists the warm arguments explicitly (each an args tuple, or ``(args, kwargs)``).
+    a dict lookup: no graph break); one never seen raises :class:`FrozenCacheMiss`, naming the loader and the
+    arguments, while tracing or capturing a CUDA graph. In a plain eager call it runs the original and keeps
+    the result, because library code calls its loaders eagerly too (``strict=True``: raise there as well).
+    ``calls`` lists the warm arguments explicitly (each an args tuple, or ``(args, kwargs)``).
     Idempotent; :func:`unfreeze` restores the original everywhere.
 
     Example::

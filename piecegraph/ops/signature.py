@@ -77,7 +77,7 @@ def _return_schema(tp: Any) -> str:
     return base
 
 
-def _hints(fn: Callable) -> dict[str, Any]:
+def hints_of(fn: Callable) -> dict[str, Any]:
     """Resolved type hints (string annotations included); falls back to raw annotations."""
     target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
     try:
@@ -109,13 +109,24 @@ def _param_type(p: inspect.Parameter, hints: dict[str, Any]) -> Any:
     return tp
 
 
+def schema_type(p: inspect.Parameter, hints: dict[str, Any]) -> Optional[Any]:
+    """The type :func:`opaque` would give parameter ``p`` (its hint, else its default's type), or None when a
+    torch op schema cannot express it."""
+    try:
+        tp = _param_type(p, hints)
+        _arg_schema(p.name, tp, None)
+    except OpaqueError:
+        return None
+    return tp
+
+
 def infer_schema(fn: Callable, mutates: Iterable[str] = ()) -> tuple[str, list[str], Any, list[int]]:
     """``(schema "(...) -> ...", argument names, return annotation, positions of tensor arguments)`` of ``fn``.
 
     Defaults are left out of the schema on purpose: the wrapper always passes every argument, so a default
     that has no schema spelling (a dtype, a tuple) is never a problem.
     """
-    params, hints = _params(fn), _hints(fn)
+    params, hints = _params(fn), hints_of(fn)
     mutates = tuple(mutates)
     names = [p.name for p in params]
     for m in mutates:

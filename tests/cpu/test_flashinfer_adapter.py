@@ -2,6 +2,7 @@
 install() on a stand-in package shaped like FlashInfer 0.5.x makes its ops trace with zero graph breaks."""
 
 import importlib.util
+import inspect
 import sys
 import textwrap
 
@@ -88,7 +89,9 @@ def test_install_without_flashinfer_says_how_to_get_it():
         adapter.install()
 
 
-# A stand-in with FlashInfer 0.5.x's names, signatures and output shapes, whose loaders stop Dynamo the same way.
+# A stand-in with FlashInfer's names, signatures and output shapes (0.5.x; fp4_quantize as 0.7 has it: a new
+# argument before enable_pdl, backend "auto", a config object, a keyword-only flag), whose loaders stop Dynamo
+# the same way.
 STUB = {
     "norm.py": """
         import functools, os, tempfile, torch
@@ -127,11 +130,17 @@ STUB = {
         def get_fp4_quantization_module(backend="100"):
             with threading.Lock():
                 return backend
+        class Config:
+            pass
         def fp4_quantize(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False,
-                         is_sf_swizzled_layout=True, is_sf_8x4_layout=False, enable_pdl=None):
+                         is_sf_swizzled_layout=True, is_sf_8x4_layout=False, is_global_scale_inversed=False,
+                         enable_pdl=None, backend="auto", config: Config = Config(), *, batch_invariant=False):
             get_fp4_quantization_module()
+            if batch_invariant and backend != "auto":
+                raise ValueError("batch_invariant=True requires backend='auto'")
             k = input.shape[-1]; m = input.numel() // k
-            x_q = (input.abs() * 4).clamp(max=255).to(torch.uint8)[..., : k // 2].contiguous()
+            scale = 0.25 if is_global_scale_inversed else 4
+            x_q = (input.abs() * scale).clamp(max=255).to(torch.uint8)[..., : k // 2].contiguous()
             rows = 8 if is_sf_8x4_layout else 128
             size = ((m + rows - 1) // rows * rows) * ((k // sf_vec_size + 3) // 4 * 4)
             sf = torch.zeros(size if is_sf_swizzled_layout else m * k // sf_vec_size, dtype=torch.uint8)
@@ -227,3 +236,23 @@ def test_uninstall_restores_the_originals(stub_flashinfer):
     assert stub_flashinfer.silu_and_mul is not original
     assert "silu_and_mul" in adapter.uninstall()
     assert stub_flashinfer.silu_and_mul is original and stub_flashinfer.activation.silu_and_mul is original
+
+
+def test_adapters_take_the_installed_signature(stub_flashinfer):
+    original = stub_flashinfer.fp4_quantize
+    adapter.install(freeze_probes=False)
+    adapted = stub_flashinfer.fp4_quantize
+    params = inspect.signature(adapted).parameters
+    assert list(params) == [n for n in inspect.signature(original).parameters if n != "config"]
+    assert params["backend"].default == "auto"
+    x = torch.randn(5, 64) * 8
+    calls = [((x, None, 16, False, True, False, True), {}),  # is_global_scale_inversed=True, by position
+             ((x,), {"batch_invariant": True}), ((x,), {"is_global_scale_inversed": True, "backend": "cuda"})]
+    for args, kwargs in calls:
+        for got, want in zip(adapted(*args, **kwargs), original(*args, **kwargs)):
+            torch.testing.assert_close(got, want)
+    compiled = torch.compile(lambda a: adapted(a, None, 16, False, True, False, True), fullgraph=True,
+                             backend="eager")
+    torch.testing.assert_close(compiled(x)[0], original(x, is_global_scale_inversed=True)[0])
+    with pytest.raises(TypeError, match="config"):
+        adapted(x, config=None)

@@ -122,3 +122,19 @@ def test_clear_errors_for_things_that_cannot_be_frozen():
         freeze(lambda: 1)
     with pytest.raises(FreezeError, match="not imported"):
         freeze_package("surely_not_an_imported_package_xyz")
+
+
+def test_miss_while_capturing_a_cuda_graph_raises(monkeypatch):
+    calls = []
+
+    @functools.lru_cache(maxsize=None)
+    def probe(kind: str) -> str:
+        calls.append(kind)
+        return kind.upper()
+
+    probe("a")
+    frozen = freeze(probe)
+    monkeypatch.setattr(sys.modules[FrozenCacheMiss.__module__], "_capturing", lambda: True)  # torch.cuda.graph
+    with pytest.raises(FrozenCacheMiss, match=r"probe\('b'\).*CUDA graph capture.*prewarm"):
+        frozen("b")
+    assert frozen("a") == "A" and calls == ["a"]  # hits still answer; the real loader never ran

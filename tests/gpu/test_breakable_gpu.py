@@ -104,3 +104,61 @@ def test_breakable_split_op_returning_a_fresh_tensor_is_a_clear_error():
     graphed = piecegraph.compile(model, mode="breakable", capture_sizes=(4,))
     with pytest.raises(BreakableCaptureError, match="returned a new tensor"):
         graphed(torch.randn(3, 16, device="cuda"))
+
+
+@piecegraph.no_graph
+def scale_by_host_max(x):
+    return x * x.abs().max().item()  # a host sync: cannot be captured, must run again at every replay
+
+
+class HostSync(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(scale_by_host_max(torch.tanh(self.a(x))))
+
+
+def test_no_graph_function_runs_eagerly_between_breakable_segments():
+    model = HostSync().cuda().eval()
+    graphed = piecegraph.compile(model, mode="breakable", capture_sizes=(4, 8))
+    for n in (3, 8, 8, 4, 2):
+        x = torch.randn(n, 32, device="cuda") * (n + 1)  # a different host scale every call
+        with torch.no_grad():
+            torch.testing.assert_close(graphed(x), model(x))
+    stats = graphed.stats()
+    assert stats["sizes"] == [4, 8] and stats["replays"] >= 3
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x))) + x
+
+
+def test_two_models_share_one_graph_pool_and_replay_in_turn():
+    torch.manual_seed(0)
+    models = [Mlp(256).cuda().eval(), Mlp(512).cuda().eval()]
+    sizes = (8, 16, 32, 64)
+
+    def captured(pool):
+        graphed = [piecegraph.compile(m, mode="full", capture_sizes=sizes, pool=pool) for m in models]
+        with torch.no_grad():
+            for g, m in zip(graphed, models):
+                g.capture(lambda n, m=m: ((torch.randn(n, m.a.in_features, device="cuda"),), None))
+        return graphed
+
+    private = sum(g.stats()["pool_bytes"] for g in captured(None))
+    shared = captured(torch.cuda.graph_pool_handle())
+    assert shared[0].stats()["pool_bytes"] == shared[1].stats()["pool_bytes"]  # one pool, reported by both
+    assert shared[0].stats()["pool_bytes"] < private, (shared[0].stats()["pool_bytes"], private)
+    for n in (5, 64, 17, 8):
+        xs = [torch.randn(n, m.a.in_features, device="cuda") for m in models]
+        with torch.no_grad():
+            outs = [g(x) for g, x in zip(shared, xs)]  # the second replay reuses the first's pool memory
+            for out, m, x in zip(outs, models, xs):
+                torch.testing.assert_close(out, m(x), rtol=1e-3, atol=1e-3)

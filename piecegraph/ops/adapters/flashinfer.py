@@ -8,7 +8,9 @@ that imported it by name).
 
 The ops never return an alias of an input: a function with ``out=`` becomes two ops, a functional one (new
 output) and an ``out`` variant that mutates ``out`` and returns nothing; the Python adapter picks one and
-returns ``out`` itself, exactly as FlashInfer does. Shapes follow FlashInfer 0.5.x (see :func:`fake_specs`).
+returns ``out`` itself, exactly as FlashInfer does. Shapes follow FlashInfer 0.5.x (see :func:`fake_specs`);
+each adapter takes the installed function's parameters, in its order and with its defaults, so calls mean the same
+across releases (0.7 moved ``fp4_quantize``'s ``enable_pdl`` back a place and made ``backend`` default to "auto").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from piecegraph.ops.freeze import freeze_package, replace_everywhere
 from piecegraph.ops.opaque import opaque
+from piecegraph.ops.signature import hints_of, schema_type
 
 __all__ = ["install", "uninstall", "fake_specs", "OpSpec", "Installed", "NAMESPACE"]
 
@@ -80,7 +83,7 @@ def fake_none(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def fake_act_and_mul(input: T, out: OT = None, enable_pdl: OB = None) -> T:
+def fake_act_and_mul(input: T, *args: Any, **kwargs: Any) -> T:
     """silu/gelu/gelu_tanh_and_mul: ``[..., 2d] -> [..., d]``, dtype of ``input``."""
     return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
 
@@ -97,13 +100,13 @@ def fake_rope_cos_sin(positions: T, query: T, key: T, *args: Any, **kwargs: Any)
 
 def fake_fp4_quantize(input: T, global_scale: OT = None, sf_vec_size: int = 16, sf_use_ue8m0: bool = False,
                       is_sf_swizzled_layout: bool = True, is_sf_8x4_layout: bool = False, enable_pdl: OB = None,
-                      backend: str = "cuda", *, pad_sf_cols: bool = False) -> Tuple[T, T]:
+                      backend: str = "cuda", *, pad_sf_cols: bool = False, **newer: Any) -> Tuple[T, T]:
     """fp4_quantize: ``(packed uint8 [..., k/2], scale factors uint8)``, mirroring FlashInfer 0.5.x.
 
     Scale factors: swizzled -> ``round_up(m, 128 or 8 for 8x4) * round_up(k/sf_vec_size, 4)`` bytes viewed as
     ``[-1, k/sf_vec_size]`` (``pad_sf_cols``: ``[-1, round_up(k/sf_vec_size, 4)]``, newer releases); linear ->
     ``[m, k/sf_vec_size]``. A column-major input (``stride(-2) == 1``) is quantized transposed and both outputs
-    are transposed back, as FlashInfer does.
+    are transposed back, as FlashInfer does. Arguments of newer releases (``newer``) do not change the shapes.
     """
     column_major = input.stride(-2) == 1
     if column_major:
@@ -238,20 +241,38 @@ def _typed(fn: Callable, params: tuple, ret: Any, name: str) -> Callable:
     return fn
 
 
+def _installed_params(spec: OpSpec, orig: Callable) -> tuple:
+    """The adapter's parameters: the installed function's, in its order and with its defaults.
+
+    Types come from the spec for the names it knows (it knows that ``out: Tensor = None`` is optional), else from
+    the installed hints. A parameter no op schema can express (a config object) is left out when it has a
+    default, which the original then keeps (passing it is a TypeError), and makes the op unadaptable when it has
+    none. A signature hidden behind ``*args, **kwargs`` falls back to the spec's parameters.
+    """
+    installed = inspect.signature(orig).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in installed):
+        return spec.params
+    known, hints, params = {p.name: p for p in spec.params}, hints_of(inspect.unwrap(orig)), []
+    for p in installed:
+        tp = known[p.name].type if p.name in known else schema_type(p, hints)
+        default = _REQUIRED if p.default is p.empty else p.default
+        if tp is None and default is _REQUIRED:
+            raise LookupError(f"this FlashInfer's {spec.name} needs {p.name!r}, which no op schema can express")
+        if tp is not None:
+            params.append(P(p.name, tp, default))
+    names = {p.name for p in params}
+    lacking = [n for n in spec.mutates + (("out",) if spec.kind == "out" else ()) if n not in names]
+    if lacking:
+        raise LookupError(f"this FlashInfer's {spec.name} has no argument {lacking[0]!r}")
+    return tuple(params)
+
+
 def _caller(orig: Callable, params: tuple) -> Callable:
-    """``call(*args)`` -> ``orig(name=value, ...)``; an argument this version lacks must keep its default."""
-    accepted = inspect.signature(orig).parameters
-    anything = any(p.kind == p.VAR_KEYWORD for p in accepted.values())
-    kept = [(i, p.name) for i, p in enumerate(params) if anything or p.name in accepted]
-    dropped = [(i, p) for i, p in enumerate(params) if not (anything or p.name in accepted)]
-    if any(p.default is _REQUIRED for _, p in dropped):
-        raise LookupError(f"this FlashInfer's {orig.__name__} takes {list(accepted)}")
+    """``call(*args)`` -> ``orig(name=value, ...)`` for the adapter's parameters, by name."""
+    names = [p.name for p in params]
 
     def call(*args: Any) -> Any:
-        for i, p in dropped:
-            if not (args[i] is p.default or (not isinstance(args[i], torch.Tensor) and args[i] == p.default)):
-                raise TypeError(f"flashinfer.{orig.__name__} of this FlashInfer version has no argument {p.name!r}")
-        return orig(**{name: args[i] for i, name in kept})
+        return orig(**dict(zip(names, args)))
 
     return call
 
@@ -274,39 +295,41 @@ def _spec_fake(spec: OpSpec, orig: Callable) -> Callable:
     return lambda *a, **kw: fake_fp4_quantize(*a, pad_sf_cols=pad, **kw)
 
 
-def _build(spec: OpSpec, orig: Callable) -> Callable:
+def _build(spec: OpSpec, orig: Callable, params: tuple) -> Callable:
     """The drop-in adapter for ``orig``: one opaque op, or for ``out=`` functions a functional op + out op."""
     fake = _spec_fake(spec, orig)
     if spec.kind != "out":
-        names = [p.name for p in spec.params]
-        impl = _typed(_caller(orig, spec.params), spec.params, spec.returns, spec.name)
+        names = [p.name for p in params]
+        impl = _typed(_caller(orig, params), params, spec.returns, spec.name)
         op_fake = (lambda *a: fake(**dict(zip(names, a)))) if spec.kind == "functional" else None
         return opaque(impl, fake=op_fake, mutates=spec.mutates, name=_op_name(spec.name))
-    func_params = tuple(p for p in spec.params if p.name != "out")
-    into_params = tuple(P(p.name, T if p.name == "out" else p.type) for p in spec.params)
+    func_params = tuple(p for p in params if p.name != "out")
+    into_params = tuple(P(p.name, T if p.name == "out" else p.type) for p in params)
     func_names = [p.name for p in func_params]
-    call = _caller(orig, spec.params)
-    at = [p.name for p in spec.params].index("out")
+    call = _caller(orig, params)
+    at = [p.name for p in params].index("out")
     functional = opaque(
         _typed(lambda *a: call(*a[:at], None, *a[at:]), func_params, T, spec.name),
         fake=lambda *a: fake(**dict(zip(func_names, a))), name=_op_name(spec.name))
     into = opaque(_typed(call, into_params, None, spec.name + "_out"), mutates=("out",),
                   name=_op_name(spec.name + "_out"))
-    names = ", ".join(p.name for p in spec.params)
+    names = ", ".join(p.name for p in params)
     src = (f"def {spec.name}({names}):\n    if out is None:\n        return _functional({', '.join(func_names)})\n"
            f"    _into({names})\n    return out\n")
     scope: dict[str, Any] = {"_functional": functional, "_into": into}
     exec(compile(src, f"<piecegraph flashinfer {spec.name}>", "exec"), scope)  # noqa: S102 - fixed identifiers
     adapter = scope[spec.name]
-    adapter.__defaults__ = tuple(p.default for p in spec.params if p.default is not _REQUIRED)
+    adapter.__defaults__ = tuple(p.default for p in params if p.default is not _REQUIRED)
     return adapter
 
 
 def _adapter(spec: OpSpec, orig: Callable) -> Callable:
     built = _STATE["built"].get(id(orig))
     if built is None or built[0] is not orig:
-        adapter = _build(spec, orig)
-        functools.update_wrapper(adapter, orig)  # FlashInfer's name, docstring and signature (through __wrapped__)
+        params = _installed_params(spec, orig)
+        adapter = _build(spec, orig, params)
+        functools.update_wrapper(adapter, orig)  # FlashInfer's name and docstring
+        adapter.__signature__ = _typed(lambda: None, params, spec.returns, spec.name).__signature__
         setattr(adapter, _MARK, spec.name)
         built = _STATE["built"][id(orig)] = (orig, adapter)
     return built[1]
