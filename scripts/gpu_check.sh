@@ -4,6 +4,9 @@
 # Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead doctor bench" by default: pick a subset to split
 # the work over several calls). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
 # installed first, for machines without network access.
+# PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
+# again with xz, because its wheel is too big to carry) gets the FlashInfer GPU tests, the overhead and the
+# doctor, with that FlashInfer first on the path. It runs beside "tests" when both are asked for.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -21,6 +24,34 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 status=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+newer_site() {  # $1: a .tar.xz of an unpacked FlashInfer wheel -> its own site folder and JIT workspace
+  local name=$(basename "$1" .tar.xz)
+  mkdir -p "/tmp/pg-$name" && [ -d "/tmp/pg-$name/flashinfer" ] || tar -xJf "$1" -C "/tmp/pg-$name" || return 1
+  export PYTHONPATH=/tmp/pg-$name:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=/tmp/pg-ws-$name
+}
+newer_tests() {  # runs beside the main tests: JIT builds are CPU work, and nothing here is timed
+  local name=$(basename "$1" .tar.xz)
+  newer_site "$1" || return 1
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" >"$OUT/$name.log" 2>&1
+  python3 -m pytest tests/gpu/test_flashinfer_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 | grep -v "^DEBUG" \
+    >>"$OUT/$name.log"
+  return "${PIPESTATUS[0]}"
+}
+newer_timed() {  # alone on the GPU: the overhead is timed, the doctor's run times are reported
+  local name=$(basename "$1" .tar.xz)
+  newer_site "$1" || return 1
+  python3 scripts/opaque_overhead.py 2>&1 | tee "$OUT/opaque_overhead_$name.json"
+  python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda \
+    --json "$OUT/doctor_before_$name.json" 2>&1 | tee "$OUT/doctor_$name.log"
+  python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix \
+    --json "$OUT/doctor_after_$name.json" 2>&1 | tee -a "$OUT/doctor_$name.log"
+}
+newer=() tarballs=()
+has flashinfer-new && tarballs=(.whl/flashinfer*.tar.xz)
+for tarball in "${tarballs[@]}"; do
+  ( newer_tests "$tarball" ) &
+  newer+=($!)
+done
 if has tests; then
   python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider 2>&1 | grep -v "^DEBUG" | tee "$OUT/gpu_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -32,6 +63,12 @@ if has doctor && [ -f scripts/doctor_flashinfer.py ]; then
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --json "$OUT/doctor_before.json" 2>&1 | tee "$OUT/doctor.log"
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix --json "$OUT/doctor_after.json" 2>&1 | tee -a "$OUT/doctor.log"
 fi
+for pid in "${newer[@]}"; do
+  wait "$pid" || status=1
+done
+for tarball in "${tarballs[@]}"; do
+  ( newer_timed "$tarball" )
+done
 if has bench; then
   bash scripts/gpu_bench.sh "$OUT" || status=1
 fi

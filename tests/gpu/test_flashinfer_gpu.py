@@ -1,6 +1,9 @@
 """FlashInfer on a GPU: after install(), a model calling rmsnorm, silu_and_mul and fp4_quantize compiles
 fullgraph with zero graph breaks and equals eager; every adapted op's fake matches the real op's outputs."""
 
+import json
+import os
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -15,6 +18,16 @@ from piecegraph.ops import prewarm, unfreeze  # noqa: E402
 from piecegraph.ops.adapters import flashinfer as adapter  # noqa: E402
 
 HIDDEN, INTER = 256, 512
+RESULTS: dict = {"flashinfer": flashinfer.__version__, "torch": torch.__version__}
+
+
+def _record(key, value):
+    """Keep what a run showed, for the closing note: $PIECEGRAPH_OUT/flashinfer_<version>.json."""
+    RESULTS[key] = value
+    out = os.environ.get("PIECEGRAPH_OUT")
+    if out:
+        with open(os.path.join(out, f"flashinfer_{flashinfer.__version__}.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
 
 
 class Small(torch.nn.Module):
@@ -69,9 +82,14 @@ def _check_equal(got, expected):
 def test_small_model_compiles_fullgraph_with_zero_breaks(small, backend):
     model, x = small
     with torch.no_grad():
-        assert torch._dynamo.explain(model)(x).graph_break_count == 0
+        explanation = torch._dynamo.explain(model)(x)
+        assert explanation.graph_break_count == 0
         compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
-        _check_equal(compiled(x), model(x))
+        got, expected = compiled(x), model(x)
+        _check_equal(got, expected)
+    _record(f"fullgraph_{backend}", {"graph_breaks": explanation.graph_break_count,
+                                     "graphs": explanation.graph_count,
+                                     "max_abs_diff": (got[0] - expected[0]).abs().max().item()})
 
 
 def test_compiled_model_captures_in_a_cuda_graph(small):
@@ -151,11 +169,15 @@ def test_piecegraph_piecewise_capture_of_the_flashinfer_model_equals_eager(small
 
     model, _ = small
     graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(8, 16, 32))
+    diffs = {}
     for n in (24, 5, 20):
         x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             got, expected = graphed(x), model(x)
         torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)
         _check_fp4(got[1:2], expected[1:2])  # packed fp4 rows of the real tokens
+        diffs[n] = (got[0] - expected[0]).abs().max().item()
     stats = graphed.stats()
+    _record("piecewise", {"max_abs_diff_vs_eager": diffs, **{k: stats[k] for k in ("sizes", "pieces", "replays",
+                                                                                    "recompiles")}})
     assert stats["sizes"] == [8, 32] and stats["replays"] == 1 and stats["recompiles"] == 0
