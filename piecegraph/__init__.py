@@ -9,6 +9,7 @@ from .context import forward_context, get_forward_context
 from .doctor import doctor
 from .graphed_module import GraphedModule
 from .graphs.breakable import no_graph
+from .graphs.capture import GraphPool
 from .ops import FrozenCacheMiss, adapters, freeze, freeze_package, opaque, prewarm, unfreeze
 from .ops.adapters import flashinfer as _flashinfer_adapter
 from .ops.split import split_op
@@ -21,6 +22,7 @@ __all__ = [
     "compile",
     "Config",
     "GraphedModule",
+    "GraphPool",
     "default_capture_sizes",
     "forward_context",
     "get_forward_context",

@@ -50,13 +50,13 @@ class Config:
         prewarm: run the model once eagerly before tracing, so JIT kernels build outside Dynamo.
         emulate_graphs: replay by re-running each captured piece on its captured buffers instead of a CUDA
             graph. Graph semantics (static addresses, padding, stale reads) without a GPU: for tests on CPU.
-        verify: after capturing a size, replay it on fresh inputs (token inputs permuted along the token
+        verify: after capturing a size, replay it on fresh inputs (token inputs rolled by one along the token
             dimension) and compare with the same program run without graphs; a size off by more than
             ``verify_tol`` (relative) is dropped to the no-graph path and reported. ``None``: on for the first
             captured size in ``mode="auto"``, off otherwise. Catches host values baked into a graph.
         verify_tol: relative error above which ``verify`` drops a size.
-        pool: a CUDA graph memory pool handle (``torch.cuda.graph_pool_handle()``) to share with another
-            compiled model; ``None`` makes a private one.
+        pool: a :class:`piecegraph.GraphPool` to share with other compiled models (their captures then reuse
+            each other's freed memory; they must not replay at the same time); ``None`` makes a private one.
     """
 
     mode: str = "piecewise"
@@ -93,6 +93,11 @@ class Config:
                     f"capture_sizes={self.capture_sizes!r} must be a non-empty list of positive ints"
                 )
             object.__setattr__(self, "capture_sizes", sizes)
+        if self.pool is not None and not hasattr(self.pool, "acquire"):
+            raise TypeError(
+                f"pool={self.pool!r} must be a piecegraph.GraphPool (a raw torch.cuda.graph_pool_handle() shares "
+                f"no memory: each model would capture on a stream of its own); pass pool=piecegraph.GraphPool()"
+            )
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import torch
 from .compile.backend import InputKind, Program
 from .config import Config
 from .context import current_forward_context, override_forward_context
-from .graphs.capture import Phase, capture_session, pool_bytes, timed_capture
+from .graphs.capture import GraphPool, Phase, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
 from .graphs.verify import verify_size
 
@@ -158,8 +158,7 @@ class FlatRunner:
     def _capture(self, padded: list[Any], n: int, size: int) -> Any:
         if not self.config.emulate_graphs and self.state.stream is None:
             # One pool and one side stream for every size: captured largest first, sizes share memory.
-            self.state.pool = self.config.pool if self.config.pool is not None else torch.cuda.graph_pool_handle()
-            self.state.stream = torch.cuda.Stream()
+            self.state.pool, self.state.stream = (self.config.pool or GraphPool()).acquire()
         meta = current_forward_context()
         if self.static_context is not None and meta is not None:
             meta = self.static_context.for_capture(meta, n, size)

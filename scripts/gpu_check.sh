@@ -40,7 +40,7 @@ newer_tests() {  # runs beside the main tests: JIT builds are CPU work, and noth
 newer_timed() {  # alone on the GPU: the overhead is timed, the doctor's run times are reported
   local name=$(basename "$1" .tar.xz)
   newer_site "$1" || return 1
-  python3 scripts/opaque_overhead.py 2>&1 | tee "$OUT/opaque_overhead_$name.json"
+  python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead_$name.json"
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda \
     --json "$OUT/doctor_before_$name.json" 2>&1 | tee "$OUT/doctor_$name.log"
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix \
@@ -56,16 +56,16 @@ if has tests; then
   python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider 2>&1 | grep -v "^DEBUG" | tee "$OUT/gpu_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+for pid in "${newer[@]}"; do
+  wait "$pid" || status=1
+done  # what follows is timed: alone on the GPU
 if has overhead; then
-  python3 scripts/opaque_overhead.py 2>&1 | tee "$OUT/opaque_overhead.json"
+  python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead.json"
 fi
 if has doctor && [ -f scripts/doctor_flashinfer.py ]; then
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --json "$OUT/doctor_before.json" 2>&1 | tee "$OUT/doctor.log"
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix --json "$OUT/doctor_after.json" 2>&1 | tee -a "$OUT/doctor.log"
 fi
-for pid in "${newer[@]}"; do
-  wait "$pid" || status=1
-done
 for tarball in "${tarballs[@]}"; do
   ( newer_timed "$tarball" )
 done

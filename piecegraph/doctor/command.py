@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import rich.markup
 import torch
 import typer
 from rich.console import Console
@@ -119,6 +120,7 @@ def doctor(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: where the target put the model)"),
 ) -> None:
     """Name what blocks full-graph tracing or CUDA-graph capture of a model, where it comes from, and the fix."""
+    from piecegraph.doctor.core import EagerFailure
     from piecegraph.doctor.core import doctor as run_doctor
     from piecegraph.doctor.report import render, to_html
 
@@ -128,8 +130,12 @@ def doctor(
         raise typer.BadParameter("--device cuda, but torch sees no CUDA device", param_hint="--device")
     loaded = load_target(target, device)
     top = (loaded.module or "").split(".")[0]
-    report = run_doctor(loaded.model, *loaded.inputs, context=loaded.context, fix=fix, device=device,
-                        kwargs=loaded.kwargs, user_packages=(top,) if top else ())
+    try:
+        report = run_doctor(loaded.model, *loaded.inputs, context=loaded.context, fix=fix, device=device,
+                            kwargs=loaded.kwargs, user_packages=(top,) if top else ())
+    except EagerFailure as err:
+        console.print(f"[bold red]piecegraph doctor:[/] {rich.markup.escape(str(err))}")
+        raise typer.Exit(2) from None
     render(report, console)
     if json_path:
         json_path.write_text(report.dumps())

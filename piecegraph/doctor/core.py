@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 import torch
@@ -16,7 +17,26 @@ from piecegraph.doctor.probe import CaptureFailure, count_pieces, probe_model
 from piecegraph.doctor.report import Report
 from piecegraph.doctor.trace import TraceResult, run_under, trace
 
-__all__ = ["doctor"]
+__all__ = ["doctor", "EagerFailure"]
+
+
+class EagerFailure(RuntimeError):
+    """The model fails when run eagerly, before any tracing: nothing the doctor diagnoses can help yet."""
+
+
+def _prewarm_or_explain(model: Any, inputs: tuple, kwargs: dict, context: Any) -> None:
+    from piecegraph.ops.prewarm import prewarm
+
+    try:
+        run_under(context, lambda: prewarm(model, *inputs, **kwargs))
+    except Exception as err:
+        frames = traceback.extract_tb(err.__traceback__)
+        where = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        raise EagerFailure(
+            f"the model fails when run eagerly, before any tracing: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}{where}. The doctor diagnoses tracing and CUDA graph "
+            f"capture; make the eager forward run on these inputs and this device first."
+        ) from err
 
 log = logging.getLogger("piecegraph.doctor")
 _FIX_ROUNDS = 3  # a fix can uncover the next break of the same call chain; three rounds cover loader + kernel
@@ -89,19 +109,19 @@ def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False
     warm loaders) and traces again; they stay applied (``report.applied.undo()`` takes them back).
     ``user_packages`` names top-level packages to treat as the user's own code besides the model's.
 
+    Raises :class:`EagerFailure` when the model fails eagerly on these inputs (nothing to diagnose yet).
+
     Constraints: resets Dynamo's caches (``torch._dynamo.reset()``); the inputs must be reusable for several
     forwards. Example::
 
         report = piecegraph.doctor(model, ids, positions, context=meta)
         print(report.ok, [f.fix for f in report.findings])
     """
-    from piecegraph.ops.prewarm import prewarm
-
     start = time.perf_counter()
     kwargs = dict(kwargs or {})
     report = Report(torch=torch.__version__, device=_device(model, inputs, device))
     tops = _user_tops(model, tuple(user_packages))
-    run_under(context, lambda: prewarm(model, *inputs, **kwargs))
+    _prewarm_or_explain(model, inputs, kwargs, context)
     stage = first = _Stage(model, inputs, kwargs, context, tops)
     if fix and first.findings:
         report.applied = Applied()

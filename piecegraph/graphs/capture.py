@@ -180,6 +180,30 @@ def repair_rng_after_failed_capture() -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
+class GraphPool:
+    """A CUDA graph memory pool that several compiled models share: ``Config(pool=GraphPool())``.
+
+    It holds the pool handle and the one side stream every capture into the pool runs on. Both are needed: the
+    caching allocator hands a freed block only to allocations on the stream that freed it, so models that
+    share a pool handle but capture on streams of their own share no memory. Created lazily, on the first
+    capture (needs CUDA then, not before). Models sharing a pool must not replay at the same time (one thread,
+    one stream at a time), as the sizes of one model already do not.
+    """
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._stream: Any = None
+
+    def acquire(self) -> tuple[Any, Any]:
+        """``(pool handle, capture stream)``, created on the first call."""
+        if self._handle is None:
+            self._handle, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        return self._handle, self._stream
+
+    def __repr__(self) -> str:
+        return f"GraphPool({'unused' if self._handle is None else self._handle})"
+
+
 def pool_bytes(pool: Any) -> int:
     """Bytes the caching allocator holds in the CUDA graph pool ``pool`` (0 without CUDA or a pool)."""
     if pool is None or not torch.cuda.is_available():

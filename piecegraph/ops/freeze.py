@@ -66,9 +66,18 @@ class _Frozen:
     name: str
     original: Callable
     frozen: Callable = None  # type: ignore[assignment]
-    table: dict = field(default_factory=dict)
+    table: dict = field(default_factory=dict)  # by bound key, and by the positional call as made
     strict: bool = False
     limit: Optional[int] = None  # a bounded lru_cache stays bounded: eager misses stop being recorded here
+    entries: int = 0  # bound keys in the table (aliases not counted)
+
+    def keep(self, key: tuple, args: tuple, kwargs: dict, value: Any) -> None:
+        """Record ``value`` under its bound key, and under ``args`` (the fast path) for a call without kwargs."""
+        if key not in self.table:
+            self.entries += 1
+        self.table[key] = value
+        if not kwargs:
+            self.table[args] = value  # shorter than any bound key, so it never shadows another call
 
 
 # The registry of frozen loaders, by id of the original and of the frozen function.
@@ -172,8 +181,8 @@ def _miss(record: _Frozen, key: tuple, args: tuple, kwargs: dict) -> Any:
     # kept so that a later trace finds it.
     log.info("freeze: %s missed its frozen table in an eager call; ran the real loader", name)
     value = record.original(*args, **kwargs)
-    if record.limit is None or len(record.table) < record.limit:
-        record.table[key] = value
+    if record.limit is None or record.entries < record.limit:
+        record.keep(key, args, kwargs, value)
     return value
 
 
@@ -185,10 +194,12 @@ def _make_frozen(record: _Frozen) -> Callable:
     table, key_of = record.table, _binder(record.original)
 
     def frozen(*args: Any, **kwargs: Any) -> Any:
-        key = key_of(args, kwargs)
-        value = table.get(key, _MISSING)
+        value = _MISSING if kwargs else table.get(args, _MISSING)  # one lookup for a call form seen before
         if value is _MISSING:
-            return _miss(record, key, args, kwargs)
+            key = key_of(args, kwargs)
+            value = table.get(key, _MISSING)
+            if value is _MISSING:
+                return _miss(record, key, args, kwargs)
         return value
 
     functools.update_wrapper(frozen, record.original)
@@ -235,11 +246,11 @@ def _prepare(fn: Callable, calls: Optional[Iterable[Any]], strict: bool) -> _Fro
     key_of = _binder(fn)
     misses = fn.cache_info().misses
     for args, kwargs in warm:
-        record.table[key_of(args, kwargs)] = fn(*args, **kwargs)  # a hit: nothing is rebuilt
+        record.keep(key_of(args, kwargs), args, kwargs, fn(*args, **kwargs))  # a hit: nothing is rebuilt
     if fn.cache_info().misses != misses and calls is None:
         log.warning("freeze: re-reading %s missed its cache; its entries were rebuilt once", record.name)
     maxsize = fn.cache_parameters().get("maxsize")
-    record.limit = None if maxsize is None else max(maxsize, len(record.table))
+    record.limit = None if maxsize is None else max(maxsize, record.entries)
     record.frozen = _make_frozen(record)
     return record
 

@@ -198,6 +198,21 @@ def test_hard_failure_is_reported_not_raised():
     assert any(f.hard for f in report.findings)
 
 
+def test_model_that_fails_eagerly_is_one_clear_line_not_a_traceback(tmp_path, monkeypatch):
+    (tmp_path / "eager_fails.py").write_text(
+        "import torch\n"
+        "class Refuses(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        raise RuntimeError('fp4_quantize requires SM100 or newer; got SM90')\n"
+        "def build():\n"
+        "    return Refuses(), (torch.randn(3, 2),)\n")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["doctor", "eager_fails:build"])
+    assert result.exit_code == 2, result.output
+    assert "fails when run eagerly" in result.output and "requires SM100" in result.output
+    assert "eager_fails.py:4" in result.output.replace("\n", "") and "Traceback" not in result.output
+
+
 def test_python_api_is_exported():
     assert "doctor" in piecegraph.__all__ and callable(piecegraph.doctor)
     assert os.path.basename(piecegraph.doctor.__code__.co_filename) == "core.py"

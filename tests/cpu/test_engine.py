@@ -185,6 +185,9 @@ def test_config_errors_name_the_argument():
         piecegraph.Config(capture_sizes=(0, 4))
     with pytest.raises(ValueError, match="max_tokens"):
         piecegraph.Config(max_tokens=0)
+    with pytest.raises(TypeError, match=r"pool=\(0, 1\) must be a piecegraph.GraphPool"):
+        piecegraph.Config(pool=(0, 1))  # a raw pool handle: the models would share no memory
+    assert "unused" in repr(piecegraph.Config(pool=piecegraph.GraphPool()).pool)  # nothing made before capture
     assert piecegraph.default_capture_sizes(64) == (1, 2, 4, 8, 16, 32, 48, 64)
     assert piecegraph.Config(max_tokens=40).sizes == (1, 2, 4, 8, 16, 32, 40)
 
