@@ -7,6 +7,7 @@
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
 # again with xz, because its wheel is too big to carry) gets the FlashInfer GPU tests, the overhead and the
 # doctor, with that FlashInfer first on the path. It runs beside "tests" when both are asked for.
+# TESTS names the GPU test files to run (default: all of tests/gpu).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -53,7 +54,7 @@ for tarball in "${tarballs[@]}"; do
   newer+=($!)
 done
 if has tests; then
-  python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider 2>&1 | grep -v "^DEBUG" | tee "$OUT/gpu_tests.log"
+  python3 -m pytest ${TESTS:-tests/gpu} -m gpu -q -rs -p no:cacheprovider 2>&1 | grep -v "^DEBUG" | tee "$OUT/gpu_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 for pid in "${newer[@]}"; do

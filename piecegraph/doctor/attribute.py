@@ -170,6 +170,18 @@ def _entry_index(fr: _Frames, at: int) -> int:
     return i
 
 
+def _public_index(fr: _Frames, start: int, at: int) -> int:
+    """The entry past forwarding wrappers: the first frame in ``start..at`` whose function is public.
+
+    A private decorator wrapper shared by many functions (FlashInfer 0.7's ``_auto_dump_wrapper``) cannot name
+    the function the user called; the frame it forwards to can.
+    """
+    for i in range(start, at + 1):
+        if not fr.frames[i].name.startswith("_"):
+            return i
+    return start
+
+
 def _loader(fr: _Frames, index: CodeIndex) -> Optional[Located]:
     for f in reversed(fr.frames):
         found = index.function(f.file, f.name, f.line)
@@ -196,18 +208,19 @@ def attribute_one(record: BreakRecord, index: CodeIndex, user_tops: set[str], ki
     at = _innermost_own(fr)
     package = fr.packages[at] if fr.packages[at] != "stdlib" else "user"
     frame = fr.frames[at]
-    entry = fr.frames[_entry_index(fr, at)] if package != "user" else frame
+    ei = _entry_index(fr, at)
+    pi = _public_index(fr, ei, at)
+    entry = fr.frames[pi] if package != "user" else frame
     entry_fn = index.function(entry.file, entry.name, entry.line)
     loader = _loader(fr, index)
     primitive = _primitive(record, fr, at)
     stdlib_modules = [m or "" for m, p in zip(fr.modules, fr.packages) if p == "stdlib"]
-    ei = _entry_index(fr, at)
     call_site = fr.frames[ei - 1] if package != "user" and ei > 0 else frame
     return Finding(
         kind=kind,
         category=categorize(primitive, record.reason, stdlib_modules, _builtin_module(record.reason)),
         package=package,
-        entry=(entry_fn.alias if entry_fn else f"{fr.modules[ei] or entry.file}.{entry.name}"),
+        entry=(entry_fn.alias if entry_fn else f"{fr.modules[pi] or entry.file}.{entry.name}"),
         loader=loader.alias if loader else None,
         loader_warm=(loader.cache.cache_info().currsize > 0) if loader else None,
         primitive=primitive,

@@ -79,6 +79,9 @@ class CodeIndex:
                     self._add(m.__wrapped__, m, path)
                 elif inspect.isfunction(m):
                     self._add(m, None, path)
+                    inner = getattr(m, "__wrapped__", None)  # a decorated function: its frames are the inner's
+                    if inspect.isfunction(inner):
+                        self._add(inner, None, path)
 
     @staticmethod
     def _alias(fn: Callable, qual: str) -> str:

@@ -132,7 +132,7 @@ def _make_impl(fn: Callable, ret: Any, positions: list[int]) -> Callable:
             fn(*args)  # libraries often also return the written buffer; the schema says ()
 
         return impl_none
-    if not positions:
+    if not positions or getattr(fn, "__piecegraph_fresh_outputs__", False):  # nothing to alias, or vouched for
         return fn
 
     def impl(*args: Any) -> Any:

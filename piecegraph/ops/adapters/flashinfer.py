@@ -267,13 +267,20 @@ def _installed_params(spec: OpSpec, orig: Callable) -> tuple:
     return tuple(params)
 
 
-def _caller(orig: Callable, params: tuple) -> Callable:
-    """``call(*args)`` -> ``orig(name=value, ...)`` for the adapter's parameters, by name."""
+def _caller(orig: Callable, params: tuple, name: str, fixed: tuple = (), fresh: bool = False) -> Callable:
+    """``def name(p1, p2, ...): return orig(p1=p1, p2=p2, ..., *fixed)``, generated: one frame, no packing.
+
+    ``fresh``: FlashInfer allocates every tensor it returns, so opaque() may skip its alias check.
+    """
     names = [p.name for p in params]
-
-    def call(*args: Any) -> Any:
-        return orig(**dict(zip(names, args)))
-
+    if not all(n.isidentifier() for n in names):
+        raise LookupError(f"this FlashInfer's {name} has parameter names that are not identifiers: {names}")
+    passed = ", ".join([f"{n}={n}" for n in names] + list(fixed))
+    scope: dict[str, Any] = {"_orig": orig}
+    src = f"def {name}({', '.join(names)}):\n    return _orig({passed})\n"
+    exec(compile(src, f"<piecegraph flashinfer {name}>", "exec"), scope)  # noqa: S102 - identifiers only
+    call = scope[name]
+    call.__piecegraph_fresh_outputs__ = fresh
     return call
 
 
@@ -300,19 +307,18 @@ def _build(spec: OpSpec, orig: Callable, params: tuple) -> Callable:
     fake = _spec_fake(spec, orig)
     if spec.kind != "out":
         names = [p.name for p in params]
-        impl = _typed(_caller(orig, params), params, spec.returns, spec.name)
+        impl = _typed(_caller(orig, params, spec.name, fresh=spec.kind == "functional"), params, spec.returns,
+                      spec.name)
         op_fake = (lambda *a: fake(**dict(zip(names, a)))) if spec.kind == "functional" else None
         return opaque(impl, fake=op_fake, mutates=spec.mutates, name=_op_name(spec.name))
     func_params = tuple(p for p in params if p.name != "out")
     into_params = tuple(P(p.name, T if p.name == "out" else p.type) for p in params)
     func_names = [p.name for p in func_params]
-    call = _caller(orig, params)
-    at = [p.name for p in params].index("out")
     functional = opaque(
-        _typed(lambda *a: call(*a[:at], None, *a[at:]), func_params, T, spec.name),
+        _typed(_caller(orig, func_params, spec.name, ("out=None",), fresh=True), func_params, T, spec.name),
         fake=lambda *a: fake(**dict(zip(func_names, a))), name=_op_name(spec.name))
-    into = opaque(_typed(call, into_params, None, spec.name + "_out"), mutates=("out",),
-                  name=_op_name(spec.name + "_out"))
+    into = opaque(_typed(_caller(orig, params, spec.name + "_out"), into_params, None, spec.name + "_out"),
+                  mutates=("out",), name=_op_name(spec.name + "_out"))
     names = ", ".join(p.name for p in params)
     src = (f"def {spec.name}({names}):\n    if out is None:\n        return _functional({', '.join(func_names)})\n"
            f"    _into({names})\n    return out\n")

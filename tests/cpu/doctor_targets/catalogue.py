@@ -78,6 +78,10 @@ def subprocess_():
     return Calls(fakelib.shell_gelu), _x()
 
 
+def decorated():
+    return Calls(fakelib.logged_gelu), _x()
+
+
 def lock():
     return Calls(fakelib.add_bias), _x()
 
@@ -126,6 +130,7 @@ def clean():
 EXPECTED = {
     "filesystem": ("filesystem", "fakelib", "fakelib.scale", "fakelib.config", True, 2),
     "subprocess_": ("subprocess", "fakelib", "fakelib.shell_gelu", None, None, 1),
+    "decorated": ("subprocess", "fakelib", "fakelib.logged_gelu", None, None, 1),
     "lock": ("lock", "fakelib", "fakelib.add_bias", None, None, 1),
     "file_io": ("file_io", "fakelib", "fakelib.lookup", None, None, 1),
     "clock": ("clock", "fakelib", "fakelib.timed", None, None, 1),

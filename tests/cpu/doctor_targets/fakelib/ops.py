@@ -10,6 +10,8 @@ import time
 import numpy as np
 import torch
 
+from .api import api_logged
+
 _LOCK = threading.Lock()
 _LABS = ctypes.CDLL(None).labs  # a C function through ctypes, looked up once at import
 _log = logging.getLogger("fakelib")
@@ -62,3 +64,16 @@ def noise(x: torch.Tensor) -> torch.Tensor:
 def sized(x: torch.Tensor) -> torch.Tensor:
     """``x`` times a host value from a builtin Dynamo does not model."""
     return x * (sys.getsizeof(x) > 0)
+
+
+@api_logged
+def logged_gelu(x: torch.Tensor) -> torch.Tensor:
+    """shell_gelu behind a forwarding decorator: the doctor must name logged_gelu, not the wrapper."""
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return torch.nn.functional.gelu(x)
+
+
+@api_logged
+def logged_silu(x: torch.Tensor) -> torch.Tensor:
+    """A second function behind the same wrapper code, so the wrapper alone cannot name the entry."""
+    return torch.nn.functional.silu(x)
