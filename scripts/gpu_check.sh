@@ -5,8 +5,9 @@
 # the work over several calls). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
 # installed first, for machines without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
-# again with xz, because its wheel is too big to carry) gets the FlashInfer GPU tests, the overhead and the
-# doctor, with that FlashInfer first on the path. It runs beside "tests" when both are asked for.
+# again with xz, because its wheel is too big to carry) then also gets the parts asked for among tests (only
+# the FlashInfer GPU tests, run beside the main tests), overhead and doctor, with that FlashInfer first on
+# the path.
 # TESTS names the GPU test files to run (default: all of tests/gpu).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -41,7 +42,8 @@ newer_tests() {  # runs beside the main tests: JIT builds are CPU work, and noth
 newer_timed() {  # alone on the GPU: the overhead is timed, the doctor's run times are reported
   local name=$(basename "$1" .tar.xz)
   newer_site "$1" || return 1
-  python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead_$name.json"
+  has overhead && python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead_$name.json"
+  has doctor || return 0
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda \
     --json "$OUT/doctor_before_$name.json" 2>&1 | tee "$OUT/doctor_$name.log"
   python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix \
@@ -50,6 +52,7 @@ newer_timed() {  # alone on the GPU: the overhead is timed, the doctor's run tim
 newer=() tarballs=()
 has flashinfer-new && tarballs=(.whl/flashinfer*.tar.xz)
 for tarball in "${tarballs[@]}"; do
+  has tests || break
   ( newer_tests "$tarball" ) &
   newer+=($!)
 done

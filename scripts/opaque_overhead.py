@@ -5,7 +5,8 @@ Times a trivial one-kernel function (``x + 1`` on a small tensor, CUDA when avai
 ``piecegraph.opaque`` (torch.library DEF/impl), and through ``torch.library.custom_op`` for reference; with
 FlashInfer installed, also ``flashinfer.rmsnorm`` before ``adapters.flashinfer.install()``, after it without
 frozen probes, and after it (``--profile`` adds the functions that take the most time per call).
-Each figure is the median over ``repeats`` of (wall time of ``calls`` calls, synchronized) / calls, in µs.
+Each figure is the median over ``repeats`` of (wall time of ``calls`` calls, synchronized) / calls, in µs; the
+variants compared are timed in turns, and each overhead is the median of the per-turn differences.
 """
 
 import argparse
@@ -18,18 +19,27 @@ import torch
 from piecegraph.ops import opaque
 
 
-def per_call_us(fn, args, calls, repeats, sync):
-    for _ in range(50):
-        fn(*args)
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(variants, calls, repeats, sync):
+    """Median µs per call of each ``name -> (fn, args)``, timed in turns (A B A B ...), so that a machine that
+    slows down or speeds up during the run shifts every variant alike; also the median per-turn difference of
+    each variant against the first one (``<name>_minus_first``)."""
+    for fn, args in variants.values():
+        for _ in range(50):
             fn(*args)
-        sync()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+    sync()
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, (fn, args) in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(*args)
+            sync()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    first = next(iter(samples.values()))
+    result = {name: statistics.median(values) for name, values in samples.items()}
+    for name, values in list(samples.items())[1:]:
+        result[f"{name}_minus_first"] = statistics.median(v - f for v, f in zip(values, first))
+    return result
 
 
 def plus_one(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +65,8 @@ def _top_functions(fn, args, calls, sync, top=12):
 
 
 def flashinfer_rows(device, calls, repeats, sync, profile):
-    """flashinfer.rmsnorm direct, as an opaque op (adapter, probes not frozen), and with its probes frozen."""
+    """flashinfer.rmsnorm direct against the adapter's opaque op: probes not frozen, then frozen (which the
+    direct call then goes through too)."""
     try:
         import flashinfer
         from piecegraph.ops.adapters import flashinfer as adapter
@@ -63,16 +74,23 @@ def flashinfer_rows(device, calls, repeats, sync, profile):
         return {}
     x = torch.randn(8, 1024, device=device, dtype=torch.bfloat16)
     w = torch.ones(1024, device=device, dtype=torch.bfloat16)
-    rows = {"flashinfer": flashinfer.__version__,
-            "flashinfer_rmsnorm_direct_us": per_call_us(flashinfer.rmsnorm, (x, w), calls, repeats, sync)}
-    if profile:
-        rows["profile_direct"] = _top_functions(flashinfer.rmsnorm, (x, w), calls, sync)
+    direct = flashinfer.rmsnorm
     adapter.install(freeze_probes=False)
-    rows["flashinfer_rmsnorm_opaque_unfrozen_us"] = per_call_us(flashinfer.rmsnorm, (x, w), calls, repeats, sync)
+    pair = {"direct": (direct, (x, w)), "opaque": (flashinfer.rmsnorm, (x, w))}
+    rows = {"flashinfer": flashinfer.__version__}
+    unfrozen = per_call_us(pair, calls, repeats, sync)
     adapter.install()
-    rows["flashinfer_rmsnorm_opaque_us"] = per_call_us(flashinfer.rmsnorm, (x, w), calls, repeats, sync)
-    rows["flashinfer_rmsnorm_overhead_us"] = rows["flashinfer_rmsnorm_opaque_us"] - rows["flashinfer_rmsnorm_direct_us"]
+    frozen = per_call_us(pair, calls, repeats, sync)
+    rows.update({
+        "flashinfer_rmsnorm_direct_us": unfrozen["direct"],
+        "flashinfer_rmsnorm_opaque_us": unfrozen["opaque"],
+        "flashinfer_rmsnorm_overhead_us": unfrozen["opaque_minus_first"],
+        "flashinfer_rmsnorm_direct_frozen_probes_us": frozen["direct"],
+        "flashinfer_rmsnorm_opaque_frozen_probes_us": frozen["opaque"],
+        "flashinfer_rmsnorm_overhead_frozen_probes_us": frozen["opaque_minus_first"],
+    })
     if profile:
+        rows["profile_direct"] = _top_functions(direct, (x, w), calls, sync)
         rows["profile_opaque"] = _top_functions(flashinfer.rmsnorm, (x, w), calls, sync)
     return rows
 
@@ -89,16 +107,17 @@ def main():
     wrapped = opaque(plus_one, fake="like:x", name="overhead_plus_one")
     custom = torch.library.custom_op("piecegraph_overhead::plus_one", mutates_args=())(plus_one)
     custom.register_fake(lambda x: torch.empty_like(x))
-    direct = per_call_us(plus_one, (x,), a.calls, a.repeats, sync)
+    timed = per_call_us({"direct": (plus_one, (x,)), "opaque": (wrapped, (x,)), "custom_op": (custom, (x,))},
+                        a.calls, a.repeats, sync)
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "direct_us": direct,
-        "opaque_us": per_call_us(wrapped, (x,), a.calls, a.repeats, sync),
-        "custom_op_us": per_call_us(custom, (x,), a.calls, a.repeats, sync),
+        "direct_us": timed["direct"],
+        "opaque_us": timed["opaque"],
+        "custom_op_us": timed["custom_op"],
+        "opaque_overhead_us": timed["opaque_minus_first"],
+        "custom_op_overhead_us": timed["custom_op_minus_first"],
     }
-    result["opaque_overhead_us"] = result["opaque_us"] - direct
-    result["custom_op_overhead_us"] = result["custom_op_us"] - direct
     result.update(flashinfer_rows(device, a.calls, a.repeats, sync, a.profile))
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, indent=2))
 
