@@ -268,7 +268,8 @@ def _installed_params(spec: OpSpec, orig: Callable) -> tuple:
 
 
 def _caller(orig: Callable, params: tuple, name: str, fixed: tuple = (), fresh: bool = False) -> Callable:
-    """``def name(p1, p2, ...): return orig(p1=p1, p2=p2, ..., *fixed)``, generated: one frame, no packing.
+    """``def name(p1, p2, ...): return orig(p1=p1, p2=p2, ...)`` plus the ``fixed`` keywords (``"out=None"``),
+    generated: one frame, no argument packing.
 
     ``fresh``: FlashInfer allocates every tensor it returns, so opaque() may skip its alias check.
     """
