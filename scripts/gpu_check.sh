@@ -7,7 +7,8 @@
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
 # again with xz, because its wheel is too big to carry) then also gets the parts asked for among tests (only
 # the FlashInfer GPU tests, run beside the main tests), overhead and doctor, with that FlashInfer first on
-# the path.
+# the path. To make one: pip download --no-deps flashinfer-python==X -d /tmp/fi && mkdir /tmp/fiu &&
+# unzip -q /tmp/fi/*.whl -d /tmp/fiu && tar -C /tmp/fiu -cJf .whl/flashinfer_python-X.tar.xz .
 # TESTS names the GPU test files to run (default: all of tests/gpu).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
