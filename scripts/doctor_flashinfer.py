@@ -28,17 +28,12 @@ class FlashInferBlock(torch.nn.Module):
 
 
 def fp4_runs_here() -> bool:
-    import flashinfer
+    from piecegraph.adapters.flashinfer import fp4_refusal
 
-    try:
-        flashinfer.fp4_quantize(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16),
-                                torch.tensor([1.0], device="cuda"))
-    except RuntimeError as err:
-        if "SM100" not in str(err):
-            raise
-        print(f"doctor_flashinfer: leaving fp4_quantize out: {err}")
-        return False
-    return True
+    refusal = fp4_refusal()
+    if refusal:
+        print(f"doctor_flashinfer: leaving fp4_quantize out: {refusal}")
+    return refusal is None
 
 
 def target():

@@ -256,3 +256,16 @@ def test_adapters_take_the_installed_signature(stub_flashinfer):
     torch.testing.assert_close(compiled(x)[0], original(x, is_global_scale_inversed=True)[0])
     with pytest.raises(TypeError, match="config"):
         adapted(x, config=None)
+
+
+def test_fp4_refusal_names_flashinfers_reason_and_passes_other_errors(stub_flashinfer, monkeypatch):
+    assert adapter.fp4_refusal("cpu") is None  # the stand-in quantizes on any device
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("fp4_quantize requires SM100 or newer; got SM90")
+
+    monkeypatch.setattr(stub_flashinfer, "fp4_quantize", refuses)
+    assert adapter.fp4_refusal("cpu") == "fp4_quantize requires SM100 or newer; got SM90"
+    monkeypatch.setattr(stub_flashinfer, "fp4_quantize", lambda *a: torch.ones(2) + torch.ones(3))
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        adapter.fp4_refusal("cpu")

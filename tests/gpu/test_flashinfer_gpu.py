@@ -31,19 +31,7 @@ def _record(key, value):
             json.dump(RESULTS, f, indent=1)
 
 
-def _fp4_refusal():
-    """Why this FlashInfer will not run fp4_quantize on this GPU (0.7+ refuses below SM100), or None."""
-    try:
-        flashinfer.fp4_quantize(torch.randn(128, 64, device="cuda", dtype=torch.bfloat16),
-                                torch.tensor([1.0], device="cuda"))
-    except RuntimeError as err:
-        if "SM100" not in str(err):
-            raise
-        return str(err)
-    return None
-
-
-FP4_REFUSED = _fp4_refusal() if torch.cuda.is_available() else None
+FP4_REFUSED = adapter.fp4_refusal() if torch.cuda.is_available() else None
 
 
 class Small(torch.nn.Module):

@@ -30,7 +30,7 @@ from piecegraph.ops.freeze import freeze_package, replace_everywhere
 from piecegraph.ops.opaque import opaque
 from piecegraph.ops.signature import hints_of, schema_type
 
-__all__ = ["install", "uninstall", "fake_specs", "OpSpec", "Installed", "NAMESPACE"]
+__all__ = ["install", "uninstall", "fake_specs", "fp4_refusal", "OpSpec", "Installed", "NAMESPACE"]
 
 log = logging.getLogger(__name__)
 NAMESPACE = "piecegraph_flashinfer"
@@ -389,3 +389,19 @@ def uninstall() -> list[str]:
     names = list(active)
     active.clear()
     return names
+
+
+def fp4_refusal(device: Any = "cuda") -> Optional[str]:
+    """Why this FlashInfer will not run ``fp4_quantize`` on ``device`` (0.7+ refuses below SM100), or None.
+
+    Runs it once on a small tensor, so the first call builds its JIT module. Other errors propagate.
+    """
+    flashinfer = _import_flashinfer()
+    try:
+        flashinfer.fp4_quantize(torch.randn(128, 64, device=device, dtype=torch.bfloat16),
+                                torch.tensor([1.0], device=device))
+    except RuntimeError as err:
+        if "SM100" not in str(err):
+            raise
+        return str(err)
+    return None
