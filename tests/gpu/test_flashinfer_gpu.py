@@ -1,9 +1,6 @@
 """FlashInfer on a GPU: after install(), a model calling rmsnorm, silu_and_mul and fp4_quantize compiles
 fullgraph with zero graph breaks and equals eager; every adapted op's fake matches the real op's outputs."""
 
-import json
-import os
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -18,19 +15,7 @@ from piecegraph.ops import opaque, prewarm, unfreeze  # noqa: E402
 from piecegraph.ops.adapters import flashinfer as adapter  # noqa: E402
 
 HIDDEN, INTER = 256, 512
-RESULTS: dict = {"flashinfer": flashinfer.__version__, "torch": torch.__version__,
-                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def _record(key, value):
-    """Keep what a run showed, for the closing note: $PIECEGRAPH_OUT/flashinfer_<version>.json."""
-    RESULTS[key] = value
-    out = os.environ.get("PIECEGRAPH_OUT")
-    if out:
-        with open(os.path.join(out, f"flashinfer_{flashinfer.__version__}.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
-
-
+RESULTS = f"flashinfer_{flashinfer.__version__}.json"  # under $PIECEGRAPH_OUT, for the closing note
 FP4_REFUSED = adapter.fp4_refusal() if torch.cuda.is_available() else None
 
 
@@ -87,7 +72,7 @@ def _check_equal(got, expected):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_small_model_compiles_fullgraph_with_zero_breaks(small, backend):
+def test_small_model_compiles_fullgraph_with_zero_breaks(small, backend, record_result):
     model, x = small
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(x)
@@ -95,9 +80,9 @@ def test_small_model_compiles_fullgraph_with_zero_breaks(small, backend):
         compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
         got, expected = compiled(x), model(x)
         _check_equal(got, expected)
-    _record(f"fullgraph_{backend}", {"graph_breaks": explanation.graph_break_count,
-                                     "graphs": explanation.graph_count,
-                                     "max_abs_diff": (got[0] - expected[0]).abs().max().item()})
+    record_result(RESULTS, f"fullgraph_{backend}", {"graph_breaks": explanation.graph_break_count,
+                                                    "graphs": explanation.graph_count,
+                                                    "max_abs_diff": (got[0] - expected[0]).abs().max().item()})
 
 
 def test_compiled_model_captures_in_a_cuda_graph(small):
@@ -149,14 +134,14 @@ def _cases():
 
 
 @pytest.mark.parametrize("name", sorted(adapter.fake_specs()))
-def test_fake_matches_real_op(installed, name):
+def test_fake_matches_real_op(installed, name, record_result):
     if name not in installed.ops:
         pytest.skip(f"{name} is not in this FlashInfer")
     cases = _cases().get(name)
     if cases is None:
         pytest.skip(f"no sample inputs for {name}")
     if name == "fp4_quantize" and FP4_REFUSED:
-        _record("fp4_quantize", f"refused on this GPU: {FP4_REFUSED}")
+        record_result(RESULTS, "fp4_quantize", f"refused on this GPU: {FP4_REFUSED}")
         pytest.skip(f"FlashInfer {flashinfer.__version__} refuses fp4_quantize here: {FP4_REFUSED}")
     fn = getattr(flashinfer, name, None) or getattr(__import__(f"flashinfer.{adapter.fake_specs()[name].module}",
                                                                fromlist=[name]), name)
@@ -175,13 +160,14 @@ def test_fake_matches_real_op(installed, name):
             assert (tuple(r.shape), r.dtype, r.stride()) == (tuple(f.shape), f.dtype, f.stride()), (name, args)
 
 
-def test_piecegraph_piecewise_capture_of_the_flashinfer_model_equals_eager(small):
+def _piecewise_equals_eager(model, counts, record, key):
+    """Capture sizes (8, 16, 32) piecewise; each call's output equals eager (fp4 outputs by shape below sm100).
+    Records the largest difference per token count and the capture stats; returns the stats."""
     import piecegraph
 
-    model, _ = small
     graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(8, 16, 32))
     diffs = {}
-    for n in (24, 5, 20):
+    for n in counts:
         x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             got, expected = graphed(x), model(x)
@@ -189,8 +175,13 @@ def test_piecegraph_piecewise_capture_of_the_flashinfer_model_equals_eager(small
         _check_fp4(got[1:2], expected[1:2])  # packed fp4 rows of the real tokens
         diffs[n] = (got[0] - expected[0]).abs().max().item()
     stats = graphed.stats()
-    _record("piecewise", {"max_abs_diff_vs_eager": diffs, **{k: stats[k] for k in ("sizes", "pieces", "replays",
-                                                                                    "recompiles")}})
+    record(RESULTS, key, {"max_abs_diff_vs_eager": diffs,
+                          **{k: stats[k] for k in ("sizes", "pieces", "replays", "recompiles")}})
+    return stats
+
+
+def test_piecegraph_piecewise_capture_of_the_flashinfer_model_equals_eager(small, record_result):
+    stats = _piecewise_equals_eager(small[0], (24, 5, 20), record_result, "piecewise")
     assert stats["sizes"] == [8, 32] and stats["replays"] == 1 and stats["recompiles"] == 0
 
 
@@ -214,21 +205,8 @@ class TwoBlocks(torch.nn.Module):
         return self.b(mixed)
 
 
-def test_piecewise_capture_with_a_split_op_between_flashinfer_blocks(installed):
-    import piecegraph
-
+def test_piecewise_capture_with_a_split_op_between_flashinfer_blocks(installed, record_result):
     torch.manual_seed(1)
     model = TwoBlocks().cuda().to(torch.bfloat16).eval()
-    graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(8, 16, 32))
-    diffs = {}
-    for n in (24, 5, 20, 32):
-        x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            got, expected = graphed(x), model(x)
-        torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)
-        _check_fp4(got[1:2], expected[1:2])
-        diffs[n] = (got[0] - expected[0]).abs().max().item()
-    stats = graphed.stats()
+    stats = _piecewise_equals_eager(model, (24, 5, 20, 32), record_result, "piecewise_with_split_op")
     assert stats["pieces"] == 2 and stats["sizes"] == [8, 32] and stats["replays"] == 2
-    _record("piecewise_with_split_op", {"max_abs_diff_vs_eager": diffs,
-                                        **{k: stats[k] for k in ("sizes", "pieces", "replays", "recompiles")}})

@@ -1,7 +1,5 @@
 """Capture and replay on a GPU with the Qwen2.5-0.5B-shaped reference decoder (random weights)."""
 
-import json
-import os
 import time
 
 import pytest
@@ -11,17 +9,6 @@ import piecegraph
 from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache, dummy_inputs, generate
 
 pytestmark = pytest.mark.gpu
-RESULTS: dict = {}
-
-
-def _record(key, value):
-    RESULTS[key] = value
-    out = os.environ.get("PIECEGRAPH_OUT")
-    if out:
-        with open(os.path.join(out, "gpu_tests.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -38,7 +25,7 @@ def _decode_meta(cache, n, context=40):
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_capture_every_default_size_and_replay_equals_compiled(model, mode):
+def test_capture_every_default_size_and_replay_equals_compiled(model, mode, record_result):
     graphed = piecegraph.compile(model, mode=mode, max_tokens=512)
     cache = KVCache(model.config, num_slots=512, max_len=64, dtype=torch.bfloat16, device="cuda")
     for k, v in zip(cache.k, cache.v):
@@ -62,7 +49,7 @@ def test_capture_every_default_size_and_replay_equals_compiled(model, mode):
         # Graphs replay the compiled kernels: equal to the compiled model within bf16 noise. Against eager, the
         # difference is Inductor's fusion (fp32 intermediates) over 24 random layers: a looser sanity bound.
         assert errors[n][0] < 2e-3 and errors[n][1] < 1e-1, (n, errors[n])
-    _record(f"capture_{mode}", {
+    record_result("gpu_tests.json", f"capture_{mode}", {
         "sizes": len(stats["sizes"]), "capture_s_total": sum(stats["capture_s"].values()),
         "capture_wall_s": wall, "pool_mib": stats["pool_bytes"] / 2**20, "pieces": stats["pieces"],
         "rel_err_vs_compiled_and_eager": errors,
@@ -85,7 +72,7 @@ def test_piecewise_prefill_of_a_mixed_batch_equals_eager(model):
     assert graphed.stats()["replays"] == 1
 
 
-def test_greedy_tokens_over_32_decode_steps_equal_eager():
+def test_greedy_tokens_over_32_decode_steps_equal_eager(record_result):
     torch.manual_seed(0)
     model32 = Decoder.random(QWEN2_5_0_5B, seed=1, dtype=torch.float32, device="cuda").eval()
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [42, 43], [900, 901, 902, 903, 904], [7]]
@@ -93,6 +80,7 @@ def test_greedy_tokens_over_32_decode_steps_equal_eager():
     prefill = piecegraph.compile(model32, mode="piecewise", max_tokens=32)
     decode = piecegraph.compile(model32, mode="full", capture_sizes=(4,))
     got = generate(model32, prompts, max_new_tokens=33, prefill_fn=prefill, decode_fn=decode)
-    _record("greedy_32_steps", {"equal": got == expected, "decode_replays": decode.stats()["replays"]})
+    record_result("gpu_tests.json", "greedy_32_steps",
+                  {"equal": got == expected, "decode_replays": decode.stats()["replays"]})
     assert got == expected
     assert decode.stats()["replays"] == 31
