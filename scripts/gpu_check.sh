@@ -40,15 +40,17 @@ newer_tests() {  # runs beside the main tests: JIT builds are CPU work, and noth
     >>"$OUT/$name.log"
   return "${PIPESTATUS[0]}"
 }
-newer_timed() {  # alone on the GPU: the overhead is timed, the doctor's run times are reported
-  local name=$(basename "$1" .tar.xz)
-  newer_site "$1" || return 1
-  has overhead && python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead_$name.json"
-  has doctor || return 0
-  python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda \
-    --json "$OUT/doctor_before_$name.json" 2>&1 | tee "$OUT/doctor_$name.log"
-  python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix \
-    --json "$OUT/doctor_after_$name.json" 2>&1 | tee -a "$OUT/doctor_$name.log"
+timed_parts() {  # alone on the GPU: the overhead is timed, the doctor's run times are reported
+  local suffix=$1  # "" for the FlashInfer of .whl/, "_<name>" for a newer one
+  if has overhead; then
+    python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead$suffix.json"
+  fi
+  if has doctor && [ -f scripts/doctor_flashinfer.py ]; then
+    python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda \
+      --json "$OUT/doctor_before$suffix.json" 2>&1 | tee "$OUT/doctor$suffix.log"
+    python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix \
+      --json "$OUT/doctor_after$suffix.json" 2>&1 | tee -a "$OUT/doctor$suffix.log"
+  fi
 }
 newer=() tarballs=()
 has flashinfer-new && tarballs=(.whl/flashinfer*.tar.xz)
@@ -64,15 +66,9 @@ fi
 for pid in "${newer[@]}"; do
   wait "$pid" || status=1
 done  # what follows is timed: alone on the GPU
-if has overhead; then
-  python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead.json"
-fi
-if has doctor && [ -f scripts/doctor_flashinfer.py ]; then
-  python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --json "$OUT/doctor_before.json" 2>&1 | tee "$OUT/doctor.log"
-  python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix --json "$OUT/doctor_after.json" 2>&1 | tee -a "$OUT/doctor.log"
-fi
+timed_parts ""
 for tarball in "${tarballs[@]}"; do
-  ( newer_timed "$tarball" )
+  ( newer_site "$tarball" && timed_parts "_$(basename "$tarball" .tar.xz)" )
 done
 if has bench; then
   bash scripts/gpu_bench.sh "$OUT" || status=1

@@ -3,8 +3,9 @@
 Usage: python scripts/opaque_overhead.py [--calls 2000] [--repeats 30] [--profile]
 Times a trivial one-kernel function (``x + 1`` on a small tensor, CUDA when available) called directly, through
 ``piecegraph.opaque`` (torch.library DEF/impl), and through ``torch.library.custom_op`` for reference; with
-FlashInfer installed, also ``flashinfer.rmsnorm`` before ``adapters.flashinfer.install()``, after it without
-frozen probes, and after it (``--profile`` adds the functions that take the most time per call).
+FlashInfer installed, also ``flashinfer.rmsnorm`` called directly against the adapter of
+``adapters.flashinfer.install()``, first with FlashInfer's probes not frozen, then frozen (``--profile`` adds
+the functions that take the most time per call).
 Each figure is the median over ``repeats`` of (wall time of ``calls`` calls, synchronized) / calls, in µs; the
 variants compared are timed in turns, and each overhead is the median of the per-turn differences.
 """
