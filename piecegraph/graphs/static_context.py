@@ -15,7 +15,9 @@ import torch
 
 def _fields(meta: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(meta) and not isinstance(meta, type):
-        return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+        # Fields marked per-step are host data the graph never reads (see for_cuda_graph below).
+        return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)
+                if f.metadata.get("piecegraph_static") != "per_step"}
     if isinstance(meta, dict):
         return dict(meta)
     raise TypeError(
@@ -26,6 +28,22 @@ def _fields(meta: Any) -> dict[str, Any]:
 
 def _rebuild(meta: Any, values: dict[str, Any]) -> Any:
     return dict(values) if isinstance(meta, dict) else dataclasses.replace(meta, **values)
+
+
+def graph_view(meta: Any, n: int, size: int) -> tuple[Any, int]:
+    """``meta`` as a full graph of ``size`` reads it, and its token count.
+
+    A metadata object may define ``for_cuda_graph(size)``: called before every capture and replay, it returns
+    the metadata to capture with (itself, or one padded to ``size`` rows in buffers it owns per size, e.g. an
+    attention backend planned for the padded batch), or raises when this call cannot run in a full graph.
+    Dataclass fields with ``metadata={"piecegraph_static": "per_step"}`` are host data that only that hook reads;
+    they are not compared between capture and replay.
+    """
+    hook = getattr(meta, "for_cuda_graph", None)
+    if hook is None:
+        return meta, n
+    view = hook(size)
+    return view, (n if view is meta else size)
 
 
 class StaticContext:
@@ -44,6 +62,7 @@ class StaticContext:
 
     def for_capture(self, meta: Any, n: int, size: int) -> Any:
         """Fill the buffers from ``meta`` and return the static metadata that ``size`` is captured with."""
+        meta, n = graph_view(meta, n, size)
         values, fixed = self._split(meta, n)
         static = {}
         for name, tensor in values.items():
@@ -56,6 +75,7 @@ class StaticContext:
 
     def for_replay(self, meta: Any, n: int, size: int) -> None:
         """Refill the buffers from ``meta``; raise if a non-token field differs from the capture's."""
+        meta, n = graph_view(meta, n, size)
         values, fixed = self._split(meta, n)
         _, captured_fixed = self.captured[size]
         for name, value in fixed.items():

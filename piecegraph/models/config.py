@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 _SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _MAX_DEFAULT_CACHE_LEN = 4096
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class ModelConfig:
     Constraints (checked in ``__post_init__``; each error names the field): every size is a positive int,
     ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention), ``head_dim`` is even (RoPE
     rotates pairs of halves), ``rms_eps`` and ``rope_theta`` are positive. ``max_seq_len`` is only the default
-    length of a :class:`~piecegraph.models.attention.KVCache`.
+    longest sequence of a :class:`~piecegraph.models.kv_cache.KVCache`. ``attention_backend`` picks the attention
+    kernels: ``"torch"`` (vectorized SDPA, any device), ``"flashinfer"`` (CUDA), ``"auto"`` (FlashInfer when it
+    imports and the cache is on CUDA, else torch).
 
     Example: ``ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16)``.
@@ -35,6 +38,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     max_seq_len: int = 2048
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -55,6 +59,8 @@ class ModelConfig:
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"ModelConfig.num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"ModelConfig.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
 

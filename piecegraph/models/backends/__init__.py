@@ -1,0 +1,66 @@
+"""Attention backends behind the one split op: ``torch`` (vectorized SDPA, CPU and GPU) and ``flashinfer``.
+
+A backend plans a step on the host (:meth:`AttentionBackend.plan`, once per step for all layers), writes the new
+tokens' k and v into the paged cache and attends (:meth:`AttentionBackend.forward`, inside the split op), and
+says what a full CUDA graph of a decode step captures (:meth:`AttentionBackend.for_cuda_graph`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from piecegraph.models.config import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    from piecegraph.models.config import ModelConfig
+    from piecegraph.models.metadata import AttentionMetadata
+
+
+
+class AttentionBackend(Protocol):
+    """What the attention op needs from a backend. ``name`` is recorded by the benchmark."""
+
+    name: str
+
+    def plan(self, meta: "AttentionMetadata") -> None:
+        """Fill ``meta``'s backend fields for its step (host work; may copy to the device, never syncs)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+                meta: "AttentionMetadata") -> None:
+        """Write ``k``, ``v`` ``[n, Hkv, D]`` into the cache at ``meta.slot_mapping``, attend with ``q``
+        ``[n, H, D]`` (causal by position), and fill ``out`` ``[n, H, D]``. ``n = meta.num_tokens``."""
+
+    def for_cuda_graph(self, meta: "AttentionMetadata", size: int) -> "AttentionMetadata":
+        """The decode metadata a full graph of ``size`` rows reads (``meta`` itself if zero padding is enough)."""
+
+
+def flashinfer_available(device: torch.device) -> str | None:
+    """Why FlashInfer cannot run attention on ``device``, or ``None`` when it can."""
+    if device.type != "cuda":
+        return f"FlashInfer runs on CUDA only; the cache is on {device}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed (pip install piecegraph[flashinfer])"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # a broken install (missing tvm-ffi, CUDA mismatch) is a reason, not a crash
+        return f"flashinfer does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_backend(name: str, device: torch.device, config: "ModelConfig") -> Any:
+    """The backend instance for ``name`` (``auto``: FlashInfer when it imports on CUDA, else torch)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
+    reason = flashinfer_available(device)
+    if name == "flashinfer" and reason:
+        raise ValueError(f"attention_backend='flashinfer': {reason}; use attention_backend='torch'")
+    if name == "flashinfer" or (name == "auto" and reason is None):
+        from piecegraph.models.backends.flashinfer import FlashInferBackend
+
+        return FlashInferBackend(config, device)
+    from piecegraph.models.backends.torch_sdpa import TorchBackend
+
+    return TorchBackend(config)

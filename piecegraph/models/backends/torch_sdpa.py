@@ -1,0 +1,124 @@
+"""The ``torch`` attention backend: paged KV cache, vectorized over sequences, one SDPA call per group.
+
+No Python loop over sequences inside the op: the step's layout is padded once, on the host, into at most two
+groups (decode rows; rows with several new tokens), each a dense ``[batch, max_new, ...]`` problem whose keys are
+gathered from the pages in one index and whose causal mask is built at plan time, for all layers. So the op
+issues the same bounded number of kernels whatever the number of sequences.
+
+GQA is folded into SDPA's query-length dimension (``[B, Hkv, G * Q, D]`` against ``[B, Hkv, L, D]``): every kv
+head serves G query heads, so this is exact, and it avoids ``enable_gqa`` (which rules out the
+memory-efficient kernel on CUDA). The mask is additive (0 / -inf): an all-zero mask (a zero-padded decode row of
+a full graph) attends everything on the scratch page and stays finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from piecegraph.models.config import ModelConfig
+from piecegraph.models.kv_cache import SCRATCH_PAGE
+from piecegraph.models.metadata import AttentionMetadata, BatchLayout, to_device
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sequences padded to one dense problem: ``batch`` sequences of at most ``qmax`` new tokens.
+
+    ``q_index`` ``[batch * qmax]``: the flat token row each padded query takes (pads repeat a real row);
+    ``page_table`` ``[batch, width]``; ``mask`` ``[batch, 1, G * qmax, width * page_size]``; ``token_index`` and
+    ``out_index`` ``[tokens]``: where each real token sits in the flat batch and in the padded output.
+    """
+
+    batch: int
+    qmax: int
+    q_index: torch.Tensor
+    page_table: torch.Tensor
+    mask: torch.Tensor
+    token_index: torch.Tensor
+    out_index: torch.Tensor
+
+
+class TorchBackend:
+    """SDPA over gathered pages; see the module docstring. Works on any device torch runs SDPA on."""
+
+    name = "torch"
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.group = config.num_heads // config.num_kv_heads
+        self.scale = config.head_dim ** -0.5
+
+    # -- planning (host, once per step) -----------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> None:
+        cache = meta.cache
+        if meta.is_decode:
+            length = cache.max_pages_per_seq * cache.page_size
+            keys = torch.arange(length, device=cache.device)
+            mask = torch.zeros(meta.num_tokens, length, dtype=cache.dtype, device=cache.device)
+            meta.mask = mask.masked_fill_(keys[None, :] >= meta.kv_lens[:, None], float("-inf"))[:, None, None, :]
+            return
+        layout = meta.layout
+        decode = [i for i, n in enumerate(layout.num_new) if n == 1]
+        prefill = [i for i, n in enumerate(layout.num_new) if n > 1]
+        meta.plan = tuple(self._group(layout, rows, cache.device, cache.dtype) for rows in (decode, prefill) if rows)
+
+    def _group(self, layout: BatchLayout, rows: list[int], device: torch.device, dtype: torch.dtype) -> Group:
+        offsets = [0]
+        for n in layout.num_new:
+            offsets.append(offsets[-1] + n)
+        qmax = max(layout.num_new[i] for i in rows)
+        width = max(len(layout.pages[i]) for i in rows)
+        host: dict[str, list[int]] = {"q_index": [], "qpos": [], "page_table": [], "token_index": [], "out_index": []}
+        for b, i in enumerate(rows):
+            new, kv, start = layout.num_new[i], layout.kv_lens[i], offsets[i]
+            for j in range(qmax):
+                real = j < new
+                host["q_index"].append(start + j if real else start)
+                host["qpos"].append(kv - new + j if real else 0)
+            host["page_table"] += [*layout.pages[i], *(SCRATCH_PAGE,) * (width - len(layout.pages[i]))]
+            host["token_index"] += range(start, start + new)
+            host["out_index"] += range(b * qmax, b * qmax + new)
+        dev = to_device(host, device)
+        batch, length = len(rows), width * layout.page_size
+        qpos = dev["qpos"].view(batch, 1, 1, qmax, 1)
+        keys = torch.arange(length, device=device)
+        mask = torch.zeros(batch, 1, self.group, qmax, length, dtype=dtype, device=device)
+        mask.masked_fill_(keys > qpos, float("-inf"))  # causal by position; later keys are not written yet
+        return Group(batch, qmax, dev["q_index"], dev["page_table"].view(batch, width),
+                     mask.view(batch, 1, self.group * qmax, length), dev["token_index"], dev["out_index"])
+
+    def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        return meta  # every decode field is token-aligned: piecegraph's zero padding is harmless
+
+    # -- the op (inside the split op, per layer) --------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+                meta: AttentionMetadata) -> None:
+        cache = meta.cache
+        kc, vc = cache.k[layer], cache.v[layer]
+        heads_kv, dim = cache.num_kv_heads, cache.head_dim
+        # One index_copy per tensor; pad tokens (slot 0) all land on the scratch page, harmlessly.
+        kc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        if meta.is_decode:
+            n = q.shape[0]
+            o = self._attend(q.view(n, heads_kv, self.group, dim), kc, vc, meta.page_table, meta.mask)
+            out.copy_(o.reshape(n, -1, dim))
+            return
+        for g in meta.plan:
+            qg = q.index_select(0, g.q_index).view(g.batch, g.qmax, heads_kv, self.group, dim)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(g.batch, heads_kv, self.group * g.qmax, dim)
+            o = self._attend(qg, kc, vc, g.page_table, g.mask)
+            o = o.view(g.batch, heads_kv, self.group, g.qmax, dim).permute(0, 3, 1, 2, 4)
+            o = o.reshape(g.batch * g.qmax, heads_kv * self.group, dim)
+            out.index_copy_(0, g.token_index, o.index_select(0, g.out_index))
+
+    def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, page_table: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[B, Hkv, M, D]`` against the pages of ``page_table`` ``[B, W]``; ``mask`` ``[B, 1, M|1, L]``."""
+        batch, width = page_table.shape
+        length = width * kc.shape[1]
+        keys = kc[page_table].view(batch, length, kc.shape[2], kc.shape[3]).transpose(1, 2).to(q.dtype)
+        values = vc[page_table].view(batch, length, vc.shape[2], vc.shape[3]).transpose(1, 2).to(q.dtype)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=self.scale)

@@ -1,0 +1,147 @@
+"""The paged KV cache: fixed-size pages per layer, one page table per sequence, page 0 a scratch page.
+
+Layout ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer for k and for v (FlashInfer's ``NHD``; the
+pair ``(cache.k[layer], cache.v[layer])`` is the ``paged_kv_cache`` its wrappers take). Page 0 is never given to
+a sequence: padded tokens (all-zero metadata) write into it and read from it, harmlessly.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+import torch
+
+from piecegraph.models.config import ModelConfig
+
+SCRATCH_PAGE = 0  # the page that padded tokens write into; never allocated to a sequence
+DEFAULT_PAGE_SIZE = 16
+
+
+class OutOfPagesError(RuntimeError):
+    """The KV cache has too few free pages for a request; nothing was allocated or freed by the failed call."""
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens."""
+    return -(-tokens // page_size)
+
+
+class KVCache:
+    """Paged k/v storage of every layer, and the page tables of the sequences that live in it.
+
+    ``num_pages`` counts the scratch page too, so ``num_pages - 1`` pages hold sequences. ``max_seq_len``
+    (default ``config.max_seq_len``) bounds one sequence; it fixes the width of decode page tables, which full
+    CUDA graphs bake in. The attention backend (``"auto" | "torch" | "flashinfer"``, default
+    ``config.attention_backend``) lives with the cache: it owns the workspace and plans each step's metadata.
+    Storage is zero-initialized, so pad tokens reading the scratch page stay finite.
+
+    Example::
+
+        cache = KVCache(TINY, num_pages=64)               # 63 usable pages of 16 tokens
+        meta = AttentionMetadata.for_batch(cache, [("a", 0, 37)])  # allocates 3 pages for sequence "a"
+        cache.free("a")
+    """
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 max_seq_len: int | None = None, backend: str | None = None) -> None:
+        from piecegraph.models.backends import resolve_backend
+
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+        if num_pages < 2:
+            raise ValueError(f"KVCache num_pages={num_pages}: page {SCRATCH_PAGE} is the scratch page, so at least "
+                             "2 pages are needed")
+        self.config = config
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
+        if self.max_seq_len < 1:
+            raise ValueError(f"KVCache max_seq_len must be positive, got {self.max_seq_len}")
+        self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # popped from the end: low pages first
+        self._tables: dict[Hashable, list[int]] = {}
+        self.backend = resolve_backend(backend or config.attention_backend, self.device, config)
+
+    @classmethod
+    def for_sequences(cls, config: ModelConfig, num_seqs: int, max_len: int, page_size: int = DEFAULT_PAGE_SIZE,
+                      **kwargs) -> "KVCache":
+        """A cache with room for ``num_seqs`` sequences of ``max_len`` tokens each (plus the scratch page)."""
+        if num_seqs < 1 or max_len < 1:
+            raise ValueError(f"KVCache.for_sequences needs num_seqs >= 1 and max_len >= 1, got {num_seqs}, {max_len}")
+        num_pages = num_seqs * pages_for(max_len, page_size) + 1
+        return cls(config, num_pages, page_size, max_seq_len=max_len, **kwargs)
+
+    # -- storage ----------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Width of a decode page table: the pages of one sequence of ``max_seq_len`` tokens."""
+        return pages_for(self.max_seq_len, self.page_size)
+
+    # -- pages ------------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def page_table(self, seq: Hashable) -> list[int]:
+        """The pages of ``seq`` in order (a copy); raises ``KeyError`` naming it when it holds none."""
+        if seq not in self._tables:
+            raise KeyError(f"sequence {seq!r} has no pages in this KV cache (allocate it first, or it was freed)")
+        return list(self._tables[seq])
+
+    def sequences(self) -> list[Hashable]:
+        return list(self._tables)
+
+    def reserve(self, lengths: Iterable[tuple[Hashable, int]]) -> None:
+        """Grow each ``(seq, total_tokens)``'s page table to hold ``total_tokens``, all or nothing.
+
+        Raises ``ValueError`` when a length exceeds ``max_seq_len`` and :class:`OutOfPagesError` when the free
+        pages do not cover the whole request; in both cases no page table changes.
+        """
+        needs: dict[Hashable, int] = {}
+        for seq, total in lengths:
+            if total > self.max_seq_len:
+                raise ValueError(f"sequence {seq!r} would hold {total} tokens, beyond the KV cache's max_seq_len "
+                                 f"{self.max_seq_len}; build the cache with a larger max_seq_len")
+            have = len(self._tables.get(seq, ()))
+            needs[seq] = max(needs.get(seq, 0), pages_for(total, self.page_size) - have)
+        wanted = sum(n for n in needs.values() if n > 0)
+        if wanted > len(self._free):
+            raise OutOfPagesError(
+                f"the KV cache needs {wanted} more pages of {self.page_size} tokens for this batch but has "
+                f"{len(self._free)} free of {self.num_pages - 1} ({len(self._tables)} sequences hold the rest). "
+                "Free finished sequences (cache.free(seq)), run fewer sequences per step, or build a larger cache."
+            )
+        for seq, n in needs.items():
+            table = self._tables.setdefault(seq, [])
+            for _ in range(max(n, 0)):
+                table.append(self._free.pop())
+
+    def free(self, seq: Hashable) -> int:
+        """Release every page of ``seq``; returns how many. Unknown sequences raise ``KeyError``."""
+        if seq not in self._tables:
+            raise KeyError(f"sequence {seq!r} has no pages in this KV cache")
+        pages = self._tables.pop(seq)
+        self._free.extend(reversed(pages))
+        return len(pages)
+
+    def slot_of(self, seq: Hashable, position: int) -> int:
+        """Flat slot (``page * page_size + offset``) of ``seq``'s token at ``position``."""
+        table = self._tables[seq]
+        return table[position // self.page_size] * self.page_size + position % self.page_size
+
+    def __repr__(self) -> str:
+        return (f"KVCache({self.num_pages} pages x {self.page_size} tokens, {len(self.k)} layers, "
+                f"{self.num_kv_heads} kv heads x {self.head_dim}, {self.dtype}, {self.device}, "
+                f"backend={self.backend.name}, {len(self._tables)} sequences, {self.num_free_pages} pages free)")

@@ -1,0 +1,182 @@
+"""Per-step attention metadata, built once per forward step on the host from a batch description.
+
+A batch is a list of ``(seq, num_cached, num_new)``: prefills (``num_cached`` 0), decode rows (``num_new`` 1) and
+chunked-prefill continuations (both > 0) mixed freely, their new tokens packed sequence after sequence. The
+builder reserves the pages the step needs, lays out every token's position and cache slot, and lets the cache's
+attention backend plan the step (once, for all layers), outside any graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from piecegraph.models.kv_cache import SCRATCH_PAGE, KVCache
+
+# Fields a full CUDA graph never reads: per-step host data, used (if at all) before a replay by
+# ``for_cuda_graph``. StaticContext skips them when it checks that a replay's metadata matches its capture.
+_PER_STEP = {"piecegraph_static": "per_step"}
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The host side of one step: per sequence its id, new tokens, kv length after the step and its pages."""
+
+    seq_ids: tuple[Hashable, ...]
+    num_new: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    pages: tuple[tuple[int, ...], ...]
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token (a pure decode step: the only kind ``mode="full"`` captures)."""
+        return all(n == 1 for n in self.num_new)
+
+    def token_positions(self) -> list[int]:
+        return [p for new, kv in zip(self.num_new, self.kv_lens) for p in range(kv - new, kv)]
+
+    def token_slots(self) -> list[int]:
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps
+                for new, kv, pages in zip(self.num_new, self.kv_lens, self.pages) for p in range(kv - new, kv)]
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention split op reads from the forward context, for ``n`` tokens.
+
+    ``positions`` and ``slot_mapping`` (int64 ``[n]``, on the cache's device) give each new token's position and
+    the flat cache slot it writes (``page * page_size + offset``; 0 = the scratch page). In a pure decode step
+    the sequences are the tokens, and ``page_table`` (int64 ``[n, cache.max_pages_per_seq]``, scratch-padded) and
+    ``kv_lens`` (int64 ``[n]``) are set: all token-aligned, so a full CUDA graph can capture the op and
+    piecegraph refills copies of them per replay. ``backend`` holds the backend's tensors of this step
+    (token-aligned ones only in a decode step) and ``plan`` its host-side plan. ``n`` may be smaller than the
+    token count the model is called with: the caller padded the batch, and pad rows come out zero.
+    """
+
+    cache: KVCache
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_table: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    batch_indices: torch.Tensor | None = None
+    append_positions: torch.Tensor | None = None
+    plan: Any = field(default=None, metadata=_PER_STEP)
+    layout: BatchLayout | None = field(default=None, metadata=_PER_STEP)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.page_table is not None
+
+    # -- builders ---------------------------------------------------------------------------------------
+    @classmethod
+    def for_batch(cls, cache: KVCache, seqs: Sequence[tuple[Hashable, int, int]]) -> "AttentionMetadata":
+        """Metadata of one step over ``seqs`` = ``[(seq, num_cached, num_new), ...]``, tokens packed in order.
+
+        Reserves the pages each sequence needs for ``num_cached + num_new`` tokens (all or nothing: see
+        :meth:`KVCache.reserve`); a sequence with ``num_cached > 0`` must already hold pages for them. Sequence
+        ids are distinct within a step. The backend plans here, so build it once per step, not per layer.
+        """
+        if not seqs:
+            raise ValueError("AttentionMetadata.for_batch needs at least one sequence")
+        ids = [s for s, _, _ in seqs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sequence ids must be distinct within a step, got {ids}")
+        for seq, cached, new in seqs:
+            if not (isinstance(cached, int) and isinstance(new, int)) or cached < 0 or new < 1:
+                raise ValueError(f"sequence {seq!r}: need num_cached >= 0 and num_new >= 1 (ints), "
+                                 f"got num_cached={cached!r}, num_new={new!r}")
+            held = len(cache._tables.get(seq, ())) * cache.page_size
+            if cached > held:
+                raise ValueError(f"sequence {seq!r} claims {cached} cached tokens but holds pages for only {held}; "
+                                 "a sequence's earlier tokens must have gone through this cache (or reserve "
+                                 "its pages first with cache.reserve([(seq, length)]))")
+        cache.reserve((seq, cached + new) for seq, cached, new in seqs)
+        layout = BatchLayout(
+            seq_ids=tuple(ids), num_new=tuple(n for _, _, n in seqs), kv_lens=tuple(c + n for _, c, n in seqs),
+            pages=tuple(tuple(cache._tables[s]) for s in ids), page_size=cache.page_size,
+        )
+        return cls.from_layout(cache, layout)
+
+    @classmethod
+    def for_decode(cls, cache: KVCache, seqs: Sequence[tuple[Hashable, int]]) -> "AttentionMetadata":
+        """A pure decode step: ``seqs`` = ``[(seq, num_cached), ...]``, one new token each."""
+        return cls.for_batch(cache, [(seq, cached, 1) for seq, cached in seqs])
+
+    @classmethod
+    def dummy(cls, cache: KVCache, n: int) -> "AttentionMetadata":
+        """A decode step of ``n`` pad tokens on the scratch page (position 0): for warm-up and graph capture."""
+        if n < 1:
+            raise ValueError(f"AttentionMetadata.dummy needs n >= 1, got {n}")
+        layout = BatchLayout(seq_ids=tuple(range(n)), num_new=(1,) * n, kv_lens=(1,) * n,
+                             pages=((SCRATCH_PAGE,),) * n, page_size=cache.page_size)
+        return cls.from_layout(cache, layout)
+
+    @classmethod
+    def from_layout(cls, cache: KVCache, layout: BatchLayout) -> "AttentionMetadata":
+        """Lay out tokens on the device and let the backend plan (what :meth:`for_batch` does after reserving)."""
+        host = {"positions": layout.token_positions(), "slot_mapping": layout.token_slots()}
+        if layout.is_decode:
+            width = cache.max_pages_per_seq
+            host["page_table"] = [p for pages in layout.pages for p in (*pages, *(SCRATCH_PAGE,) * (width - len(pages)))]
+            host["kv_lens"] = list(layout.kv_lens)
+        dev = to_device(host, cache.device)
+        if layout.is_decode:
+            dev["page_table"] = dev["page_table"].view(layout.num_seqs, cache.max_pages_per_seq)
+        meta = cls(cache=cache, layout=layout, **dev)
+        cache.backend.plan(meta)
+        return meta
+
+    # -- CUDA graphs ------------------------------------------------------------------------------------
+    def for_cuda_graph(self, size: int) -> "AttentionMetadata":
+        """The metadata a full CUDA graph of ``size`` tokens captures or replays this step with.
+
+        Only pure decode steps can be captured whole; the backend pads them to ``size`` (or leaves the zero
+        padding of token-aligned fields to piecegraph). Raises for a step with prefill rows.
+        """
+        if not self.is_decode:
+            raise ValueError(
+                "mode='full' captures pure decode steps only (every sequence adding one token); this step has "
+                f"{self.num_tokens} tokens over {len(self.layout.seq_ids) if self.layout else '?'} sequences. "
+                "Use mode='piecewise' for prefill and mixed steps."
+            )
+        return self.cache.backend.for_cuda_graph(self, size)
+
+    def replace(self, **changes: Any) -> "AttentionMetadata":
+        return dataclasses.replace(self, **changes)
+
+
+def dummy(cache: KVCache, n: int) -> AttentionMetadata:
+    """Shorthand for :meth:`AttentionMetadata.dummy`."""
+    return AttentionMetadata.dummy(cache, n)
+
+
+def to_device(host: dict[str, list[int]], device: torch.device, dtype: torch.dtype = torch.int64
+              ) -> dict[str, torch.Tensor]:
+    """Host int lists as tensors on ``device``, through one packed copy (one transfer per step, not per field)."""
+    flat = [v for values in host.values() for v in values]
+    packed = torch.tensor(flat, dtype=dtype)
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    out, start = {}, 0
+    for name, values in host.items():
+        out[name] = packed[start:start + len(values)]
+        start += len(values)
+    return out
