@@ -64,7 +64,7 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # popped from the end: low pages first
         self._tables: dict[Hashable, list[int]] = {}
-        self.backend = resolve_backend(backend or config.attention_backend, self.device, config)
+        self.backend = resolve_backend(backend or config.attention_backend, self.device, dtype, config)
 
     @classmethod
     def for_sequences(cls, config: ModelConfig, num_seqs: int, max_len: int, page_size: int = DEFAULT_PAGE_SIZE,

@@ -151,7 +151,7 @@ def test_reference_model_is_ok_within_a_minute():
 
     start = time.perf_counter()
     model = Decoder.random(TINY, seed=0).eval()
-    cache = KVCache(model.config, num_slots=2, max_len=32, dtype=torch.float32, device="cpu")
+    cache = KVCache.for_sequences(model.config, 2, 32, dtype=torch.float32, device="cpu")
     (ids, positions), meta = dummy_inputs(model, cache, 5)
     report = piecegraph.doctor(model, ids, positions, context=meta)
     assert report.ok, [f.json() for f in report.findings]
@@ -165,7 +165,7 @@ def test_module_target_with_context_dict(tmp_path, monkeypatch):
         "from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs\n"
         "def build():\n"
         "    m = Decoder.random(TINY, seed=0).eval()\n"
-        "    cache = KVCache(m.config, num_slots=2, max_len=16, dtype=torch.float32, device='cpu')\n"
+        "    cache = KVCache.for_sequences(m.config, 2, 16, dtype=torch.float32, device='cpu')\n"
         "    (ids, pos), meta = dummy_inputs(m, cache, 3)\n"
         "    return {'model': m, 'inputs': (ids, pos), 'context': meta}\n")
     monkeypatch.chdir(tmp_path)

@@ -75,8 +75,13 @@ def _close(actual, expected, tol=REL_TOL):
     assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
+def _cache(num_seqs, max_len, dtype=torch.float32, config=TINY):
+    """A paged cache with small pages (4 tokens), so sequences span several pages."""
+    return KVCache.for_sequences(config, num_seqs, max_len, page_size=4, dtype=dtype)
+
+
 def _run(model, cache, seqs, ids, pad_to=None):
-    """Run ``model`` on a mixed batch ``seqs`` = [(slot, start, count)]; returns hidden rows of real tokens."""
+    """Run ``model`` on a mixed batch ``seqs`` = [(seq, num_cached, num_new)]; returns hidden rows of real tokens."""
     meta = AttentionMetadata.for_batch(cache, seqs)
     ids = torch.tensor(ids)
     pos = meta.positions
@@ -97,19 +102,18 @@ def model64():
 def test_prefill_decode_and_mixed_batches_match_reference(model64):
     sd, gen = _state(model64), torch.Generator().manual_seed(0)
     seqs = {s: torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for s, n in [(1, 5), (2, 3), (3, 7)]}
-    cache = KVCache(TINY, num_slots=4, max_len=32, dtype=torch.float64)
+    cache = _cache(4, 32, torch.float64)
 
     hidden = _run(model64, cache, [(s, 0, len(t)) for s, t in seqs.items()], sum(seqs.values(), []))
     _close(hidden, torch.cat([ref_hidden(sd, TINY, t) for t in seqs.values()]))
 
-    for _ in range(3):  # decode: tensors-only metadata, one token per sequence
+    for _ in range(3):  # decode: one token per sequence
         new = {s: int(torch.randint(0, TINY.vocab_size, (1,), generator=gen)) for s in seqs}
-        slots = torch.tensor(list(seqs))
-        positions = torch.tensor([len(t) for t in seqs.values()])
+        meta = AttentionMetadata.for_decode(cache, [(s, len(t)) for s, t in seqs.items()])
         for s in seqs:
             seqs[s].append(new[s])
-        with forward_context(AttentionMetadata.for_decode(cache, slots, positions)):
-            hidden = model64(torch.tensor(list(new.values())), positions)
+        with forward_context(meta):
+            hidden = model64(torch.tensor(list(new.values())), meta.positions)
         _close(hidden, torch.stack([ref_hidden(sd, TINY, t)[-1] for t in seqs.values()]))
 
     # Mixed: slot 1 continues with 4 tokens, 2 and 3 decode one, slot 4 starts a fresh 6-token prompt.
@@ -125,13 +129,13 @@ def test_prefill_decode_and_mixed_batches_match_reference(model64):
 def test_float32_model_matches_reference():
     model = Decoder.random(TINY, seed=2)
     sd, tokens = _state(model), [3, 1, 4, 1, 5, 9, 2, 6]
-    hidden = _run(model, KVCache(TINY, 2, 16), [(2, 0, len(tokens))], tokens)
+    hidden = _run(model, _cache(2, 16), [(2, 0, len(tokens))], tokens)
     _close(hidden, ref_hidden(sd, TINY, tokens), tol=1e-5)
 
 
 @torch.inference_mode()
 def test_logits_are_not_degenerate(model64):
-    hidden = _run(model64, KVCache(TINY, 1, 16, torch.float64), [(1, 0, 6)], [1, 2, 3, 4, 5, 6])
+    hidden = _run(model64, _cache(1, 16, torch.float64), [(1, 0, 6)], [1, 2, 3, 4, 5, 6])
     logits = model64.logits(hidden)
     assert logits.shape == (6, TINY.vocab_size) and torch.isfinite(logits).all()
     assert logits.std(dim=-1).min() > 1e-2
@@ -140,7 +144,7 @@ def test_logits_are_not_degenerate(model64):
 
 # ---------------------------------------------------------------- padding
 def _filled_cache(model, tokens):
-    cache = KVCache(TINY, num_slots=3, max_len=16, dtype=torch.float64)
+    cache = _cache(3, 16, torch.float64)
     _run(model, cache, [(s + 1, 0, len(t)) for s, t in enumerate(tokens)], sum(tokens, []))
     return cache
 
@@ -155,25 +159,37 @@ def test_padded_batches_keep_real_rows(model64):
     got = _run(model64, padded, batch, [1, 2, 3], pad_to=6)
     # Not bitwise: a GEMM with more rows may block differently (seen: 1e-15 apart in float64).
     _close(got[:3], want, tol=1e-12)
-    # Decode path, padded the way full-graph mode pads metadata: slot 0, position 0 rows.
-    slots, positions = torch.tensor([2, 1, 0, 0]), torch.tensor([2, 5, 0, 0])
+    # Decode path, padded the way full-graph mode pads metadata: every token-aligned field zero-filled.
     ids = torch.tensor([4, 4, 0, 0])
-    with forward_context(AttentionMetadata.for_decode(plain, slots[:2], positions[:2])):
-        want = model64(ids[:2], positions[:2])
-    with forward_context(AttentionMetadata.for_decode(padded, slots, positions)):
-        got = model64(ids, positions)
+    meta = AttentionMetadata.for_decode(plain, [(2, 2), (1, 5)])
+    with forward_context(meta):
+        want = model64(ids[:2], meta.positions)
+    meta = AttentionMetadata.for_decode(padded, [(2, 2), (1, 5)])
+    meta = _zero_padded(meta, 4)
+    with forward_context(meta):
+        got = model64(ids, meta.positions)
     _close(got[:2], want, tol=1e-12)
     assert torch.isfinite(got).all()
-    for layer in range(TINY.num_layers):  # real rows of the cache agree; only the scratch row differs
+    for layer in range(TINY.num_layers):  # real pages of the cache agree; only the scratch page differs
         _close(padded.k[layer][1:], plain.k[layer][1:].double(), tol=1e-12)
+
+
+def _zero_padded(meta, size):
+    """``meta`` with every tensor field whose dim 0 is the token count zero-padded to ``size`` rows."""
+    n, changes = meta.num_tokens, {}
+    for name in ("positions", "slot_mapping", "page_table", "kv_lens", "mask"):
+        t = getattr(meta, name)
+        changes[name] = torch.cat([t, t.new_zeros((size - n, *t.shape[1:]))])
+    return meta.replace(**changes)
 
 
 @torch.inference_mode()
 def test_attention_op_zeroes_pad_rows():
-    cache = KVCache(TINY, num_slots=2, max_len=8)
+    cache = _cache(2, 8)
+    cache.reserve([(2, 4)])
     q_size, kv_size = TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
     q, k, v = torch.randn(5, q_size), torch.randn(5, kv_size), torch.randn(5, kv_size)
-    for meta in (AttentionMetadata.for_decode(cache, torch.tensor([1, 2]), torch.tensor([0, 3])),
+    for meta in (AttentionMetadata.for_decode(cache, [(1, 0), (2, 3)]),
                  AttentionMetadata.for_batch(cache, [(1, 0, 2), (2, 4, 1)])):
         out = torch.full((5, q_size), float("nan"))
         with forward_context(meta):
@@ -183,7 +199,7 @@ def test_attention_op_zeroes_pad_rows():
 
 
 @torch.inference_mode()
-def test_dummy_inputs_touch_only_the_scratch_row(model64):
+def test_dummy_inputs_touch_only_the_scratch_page(model64):
     cache = _filled_cache(model64, [[1, 2], [3]])
     before = [t.clone() for t in cache.k]
     (ids, pos), meta = dummy_inputs(model64, cache, 4)
@@ -215,8 +231,8 @@ def test_save_load_round_trip(tmp_path, config):
     assert loaded.config == config
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == config.tie_embeddings
     tokens = [9, 8, 7, 6]
-    a = _run(model, KVCache(config, 1, 8), [(1, 0, 4)], tokens)
-    b = _run(loaded, KVCache(config, 1, 8), [(1, 0, 4)], tokens)
+    a = _run(model, _cache(1, 8, config=config), [(1, 0, 4)], tokens)
+    b = _run(loaded, _cache(1, 8, config=config), [(1, 0, 4)], tokens)
     assert torch.equal(a, b)
 
 
@@ -291,7 +307,7 @@ def _compare_compiled(model64, compiled):
         ids = torch.tensor(tokens)
         results = []
         for fn in (model64, compiled):
-            cache = KVCache(TINY, 1, 8, torch.float64)
+            cache = _cache(1, 8, torch.float64)
             meta = AttentionMetadata.for_batch(cache, [(1, 0, len(tokens))])
             pos = meta.positions.clone()
             if fn is compiled:

@@ -70,11 +70,11 @@ def test_auto_falls_back_to_breakable_graphs_for_an_untraceable_model():
 def test_breakable_decoder_equals_eager_across_buckets():
     model = Decoder.random(QWEN2_5_0_5B.replace(num_layers=4), seed=0, dtype=torch.bfloat16, device="cuda").eval()
     graphed = piecegraph.compile(model, mode="breakable", capture_sizes=(1, 2, 4, 8, 16, 32, 64))
-    cache = KVCache(model.config, num_slots=128, max_len=64, dtype=torch.bfloat16, device="cuda")
+    cache = KVCache.for_sequences(model.config, 128, 64, dtype=torch.bfloat16, device="cuda")
+    cache.reserve((i, 21) for i in range(128))
     for n in (1, 3, 16, 40, 64, 100, 3):
-        slots = torch.arange(1, n + 1, device="cuda")
-        positions = torch.full((n,), 20, device="cuda")
-        meta = AttentionMetadata.for_decode(cache, slots, positions)
+        meta = AttentionMetadata.for_decode(cache, [(i, 20) for i in range(n)])
+        positions = meta.positions
         ids = torch.randint(0, model.config.vocab_size, (n,), device="cuda")
         with piecegraph.forward_context(meta), torch.no_grad():
             expected = model(ids, positions)

@@ -92,7 +92,7 @@ def test_reference_decoder_captures_every_piece():
     from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs
 
     model = Decoder.random(TINY, seed=0, device="cuda").eval()
-    cache = KVCache(model.config, num_slots=2, max_len=32, dtype=torch.float32, device="cuda")
+    cache = KVCache.for_sequences(model.config, 2, 32, dtype=torch.float32, device="cuda")
     (ids, positions), meta = dummy_inputs(model, cache, 4)
     report = piecegraph.doctor(model, ids, positions, context=meta)
     assert report.ok, report.json()

@@ -19,15 +19,15 @@ def model():
 
 
 def _decode_meta(cache, n, context=40):
-    slots = torch.arange(1, n + 1, device="cuda")
-    positions = torch.full((n,), context, device="cuda")
-    return positions, AttentionMetadata.for_decode(cache, slots, positions)
+    cache.reserve((i, context + 1) for i in range(n))
+    meta = AttentionMetadata.for_decode(cache, [(i, context) for i in range(n)])
+    return meta.positions, meta
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_capture_every_default_size_and_replay_equals_compiled(model, mode, record_result):
     graphed = piecegraph.compile(model, mode=mode, max_tokens=512)
-    cache = KVCache(model.config, num_slots=512, max_len=64, dtype=torch.bfloat16, device="cuda")
+    cache = KVCache.for_sequences(model.config, 512, 64, dtype=torch.bfloat16, device="cuda")
     for k, v in zip(cache.k, cache.v):
         k.normal_()
         v.normal_()
@@ -58,9 +58,9 @@ def test_capture_every_default_size_and_replay_equals_compiled(model, mode, reco
 
 def test_piecewise_prefill_of_a_mixed_batch_equals_eager(model):
     graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(64, 128))
-    cache = KVCache(model.config, num_slots=4, max_len=256, dtype=torch.bfloat16, device="cuda")
     seqs = [(1, 0, 37), (2, 0, 5), (3, 0, 60)]
     for _ in range(2):  # capture, then replay
+        cache = KVCache.for_sequences(model.config, 4, 256, dtype=torch.bfloat16, device="cuda")
         meta = AttentionMetadata.for_batch(cache, seqs)
         ids = torch.randint(0, model.config.vocab_size, (102,), device="cuda")
         with piecegraph.forward_context(meta), torch.no_grad():

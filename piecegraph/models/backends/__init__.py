@@ -37,10 +37,12 @@ class AttentionBackend(Protocol):
         """The decode metadata a full graph of ``size`` rows reads (``meta`` itself if zero padding is enough)."""
 
 
-def flashinfer_available(device: torch.device) -> str | None:
-    """Why FlashInfer cannot run attention on ``device``, or ``None`` when it can."""
+def flashinfer_available(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why FlashInfer cannot run attention on ``device`` in ``dtype``, or ``None`` when it can."""
     if device.type != "cuda":
         return f"FlashInfer runs on CUDA only; the cache is on {device}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashInfer attention runs in float16 or bfloat16; the cache is {dtype}"
     if importlib.util.find_spec("flashinfer") is None:
         return "flashinfer is not installed (pip install piecegraph[flashinfer])"
     try:
@@ -50,11 +52,12 @@ def flashinfer_available(device: torch.device) -> str | None:
     return None
 
 
-def resolve_backend(name: str, device: torch.device, config: "ModelConfig") -> Any:
-    """The backend instance for ``name`` (``auto``: FlashInfer when it imports on CUDA, else torch)."""
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, config: "ModelConfig") -> Any:
+    """The backend instance for ``name`` (``auto``: FlashInfer when it imports on CUDA for a float16/bfloat16
+    cache, else torch). An explicit ``"flashinfer"`` that cannot run raises, saying why."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
-    reason = flashinfer_available(device)
+    reason = flashinfer_available(device, dtype)
     if name == "flashinfer" and reason:
         raise ValueError(f"attention_backend='flashinfer': {reason}; use attention_backend='torch'")
     if name == "flashinfer" or (name == "auto" and reason is None):
