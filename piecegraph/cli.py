@@ -11,7 +11,7 @@ from rich.table import Table
 
 from piecegraph.bench.command import bench
 from piecegraph.doctor.command import doctor
-from piecegraph.cli_common import load_model, resolve_device
+from piecegraph.cli_common import load_model, resolve_attention, resolve_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Piecewise CUDA graphs for PyTorch inference.")
 console = Console()
@@ -22,28 +22,35 @@ def demo(
     model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     steps: int = typer.Option(16, min=2, help="tokens to generate per prompt"),
+    attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
 ) -> None:
-    """Generate greedily with eager and graphed models; check the tokens agree and show the speed."""
+    """Generate greedily with eager and graphed models on a paged KV cache; check the tokens agree, show speed."""
     import piecegraph
-    from piecegraph.models import generate
+    from piecegraph.models import KVCache, generate
 
     device = resolve_device(device)
+    backend = resolve_attention(attention, device)
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
-    net = load_model(model, device, torch.float32)
+    # FlashInfer attends in bf16/fp16 only; the torch backend runs float32, where graphed tokens must be exact.
+    dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
+    net = load_model(model, device, dtype)
     prompts = [[11, 22, 33, 44, 55, 66, 77], [5, 4, 3], [100, 101, 102, 103, 104], [9]]
     prompts = [[t % net.config.vocab_size for t in p] for p in prompts]
     graphs = device == "cuda"
     prefill = piecegraph.compile(net, mode="piecewise" if graphs else "none", max_tokens=32)
     decode = piecegraph.compile(net, mode="full" if graphs else "none", capture_sizes=(len(prompts),))
-    console.print(f"[bold]piecegraph demo[/]: {model} on {device} (float32), {len(prompts)} prompts x {steps} tokens")
+    longest = max(map(len, prompts)) + steps
 
     def run(**fns):
+        cache = KVCache.for_sequences(net.config, len(prompts), longest, dtype=dtype, device=device, backend=backend)
         start = time.perf_counter()
-        tokens = generate(net, prompts, steps, **fns)
+        tokens = generate(net, prompts, steps, cache=cache, **fns)
         if graphs:
             torch.cuda.synchronize()
         return tokens, time.perf_counter() - start
 
+    console.print(f"[bold]piecegraph demo[/]: {model} on {device} ({str(dtype).removeprefix('torch.')}, "
+                  f"{backend} attention, paged KV cache), {len(prompts)} prompts x {steps} tokens")
     with console.status("eager generation"):
         expected, _ = run()
         expected, eager_s = run()
@@ -59,11 +66,22 @@ def demo(
         table.add_row(name, f"{seconds / steps * 1e3:.2f}", f"{n_tokens / seconds:.0f}")
     console.print(table)
     console.print(f"setup (trace + compile + capture): {setup_s:.1f} s; decode graphs: {decode.stats()['sizes']}")
-    if got != expected:
-        console.print("[red]graphed tokens differ from eager tokens[/]")
-        raise typer.Exit(1)
-    console.print("[green]graphed tokens equal eager tokens[/]")
+    _report_agreement(expected, got, exact=dtype == torch.float32)
 
+
+def _report_agreement(expected: list[list[int]], got: list[list[int]], exact: bool) -> None:
+    if got == expected:
+        console.print("[green]graphed tokens equal eager tokens[/]")
+        return
+    same = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g))
+    total = sum(map(len, expected))
+    if exact:
+        console.print(f"[red]graphed tokens differ from eager tokens ({same}/{total} equal) in float32[/]")
+        raise typer.Exit(1)
+    # bf16: Inductor's fused kernels round differently from eager ones; a near-tie can flip one greedy token,
+    # and everything after it differs. That is rounding, not a graph bug (float32 runs must agree exactly).
+    console.print(f"[yellow]bf16: {same}/{total} graphed tokens equal eager ones (greedy decoding diverges after "
+                  "a rounding-level near-tie; run with --attention torch for an exact float32 check)[/]")
 
 
 # Each stage owns its command; the CLI only registers them.

@@ -16,6 +16,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve_attention(attention: str, device: str) -> str:
+    """The attention backend ``--attention`` names on ``device`` (``auto``: FlashInfer on CUDA when it imports)."""
+    from piecegraph.models import ATTENTION_BACKENDS
+    from piecegraph.models.backends import flashinfer_available
+
+    if attention not in ATTENTION_BACKENDS:
+        raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}", param_hint="--attention")
+    reason = flashinfer_available(torch.device(device))
+    if attention == "flashinfer" and reason:
+        raise typer.BadParameter(f"flashinfer cannot run here: {reason}", param_hint="--attention")
+    if attention == "auto":
+        return "torch" if reason else "flashinfer"
+    return attention
+
+
 def load_model(model: str, device: str, dtype: torch.dtype):
     from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, load_hf
 

@@ -9,7 +9,8 @@
 # the FlashInfer GPU tests, run beside the main tests), overhead and doctor, with that FlashInfer first on
 # the path. To make one: pip download --no-deps flashinfer-python==X -d /tmp/fi && mkdir /tmp/fiu &&
 # unzip -q /tmp/fi/*.whl -d /tmp/fiu && tar -C /tmp/fiu -cJf .whl/flashinfer_python-X.tar.xz .
-# TESTS names the GPU test files to run (default: all of tests/gpu).
+# TESTS names the GPU test files to run (default: all of tests/gpu). BUNDLE=NAME.tgz packs everything under
+# OUTDIR into that one archive at the end (the device tool brings back at most 8 files).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -50,6 +51,10 @@ timed_parts() {  # alone on the GPU: the overhead is timed, the doctor's run tim
       --json "$OUT/doctor_before$suffix.json" 2>&1 | tee "$OUT/doctor$suffix.log"
     python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda --fix \
       --json "$OUT/doctor_after$suffix.json" 2>&1 | tee -a "$OUT/doctor$suffix.log"
+    # The reference decoder with FlashInfer attention on the paged cache: nothing may block.
+    python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:reference --device cuda \
+      --json "$OUT/doctor_reference$suffix.json" 2>&1 | tee -a "$OUT/doctor$suffix.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
 }
 newer=() tarballs=()
@@ -72,5 +77,8 @@ for tarball in "${tarballs[@]}"; do
 done
 if has bench; then
   bash scripts/gpu_bench.sh "$OUT" || status=1
+fi
+if [ -n "${BUNDLE:-}" ]; then  # one archive instead of many files: the device tool brings back at most 8
+  tar -czf /tmp/pg-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/pg-results.tgz "$OUT/$BUNDLE"
 fi
 exit $status

@@ -51,7 +51,7 @@ class StaticContext:
 
     A field is *token-aligned* when it is a tensor whose dim 0 equals the call's token count: it gets a buffer
     of the largest size, filled with the call's rows and zeros after them (padding tokens must be harmless
-    with all-zero metadata, e.g. slot 0 = a scratch cache row). Any other field must be the same object (or an
+    with all-zero metadata, e.g. slot 0 = a scratch cache page). Any other field must be the same object (or an
     equal value) at every replay of a size as when that size was captured.
     """
 

@@ -144,7 +144,7 @@ class Decoder(nn.Module):
     Example::
 
         model = Decoder.random(TINY)
-        cache = KVCache(TINY, num_slots=4, max_len=64)
+        cache = KVCache.for_sequences(TINY, num_seqs=4, max_len=64)
         meta = AttentionMetadata.for_batch(cache, [(1, 0, 3)])
         with forward_context(meta):
             hidden = model(torch.tensor([5, 6, 7]), meta.positions)
