@@ -1,19 +1,23 @@
 """The inputs every mode is timed on: decode steps at a context length, packed varlen prefills.
 
-All modes share one decode cache and one prefill cache, so they read the same memory. Each case keeps its
-metadata alive for the whole run: ``reduce-overhead`` bakes the addresses of the metadata tensors the attention
-op reads into its graphs, so a case's metadata must not be rebuilt between its calls.
+All modes share one paged decode cache and one paged prefill cache, both on the bench's attention backend, so
+they read the same memory. Each case builds its :class:`AttentionMetadata` once and keeps it alive for the whole
+run: ``reduce-overhead`` records the attention op inside its CUDA graphs, baking in the addresses of the
+metadata tensors the op read while recording (slot mapping, page tables, masks, the backend's plan), so a
+case's metadata must not be rebuilt between its calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from piecegraph.models import AttentionMetadata, Decoder, KVCache, dummy_inputs
+from piecegraph.models import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, AttentionMetadata, Decoder, KVCache, dummy_inputs
 from piecegraph.models.generate import device_dtype
+from piecegraph.models.kv_cache import pages_for
 
 # Relative lengths of the packed prompts of a prefill batch: mixed on purpose (varlen attention, uneven work).
 _PREFILL_WEIGHTS = (7, 2, 5, 1, 3, 8, 2, 4)
@@ -67,28 +71,38 @@ def _ids(model: Decoder, n: int, seed: int, device: torch.device) -> list[torch.
     return [torch.randint(0, model.config.vocab_size, (n,), generator=g).to(device) for _ in range(_VARIANTS)]
 
 
-def decode_cache(model: Decoder, batches: Sequence[int], context: int) -> KVCache:
-    """One cache for every decode batch: ``max(batches)`` slots, ``context`` random cached tokens each (+ room)."""
+def decode_cache(model: Decoder, batches: Sequence[int], context: int, backend: str = "auto") -> KVCache:
+    """One paged cache for every decode batch: sequences ``0..max(batches)-1`` of ``context`` random cached tokens.
+
+    Room for ``context + 8`` tokens per sequence (``max_seq_len``, so decode page tables stay ``pages_for(context
+    + 8)`` wide, not ``config.max_seq_len``), and every sequence's pages for ``context + 1`` tokens (the cached
+    ones and the decoded one) reserved up front, so building a decode step allocates nothing. The pages of the
+    sequences hold random k/v; the scratch page stays zero (pad rows read it).
+    """
     device, dtype = device_dtype(model)
-    cache = KVCache(model.config, num_slots=max(batches), max_len=context + 8, dtype=dtype, device=device)
+    cache = KVCache.for_sequences(model.config, max(batches), context + 8, dtype=dtype, device=device,
+                                  backend=backend)
+    cache.reserve([(i, context + 1) for i in range(max(batches))])
     gen = torch.Generator(device=device).manual_seed(0)
     for k, v in zip(cache.k, cache.v):
-        k.normal_(0, 1, generator=gen)
-        v.normal_(0, 1, generator=gen)
+        for pages in (k, v):
+            pages.normal_(0, 1, generator=gen)
+            pages[SCRATCH_PAGE].zero_()  # as the cache built it: pad rows of full graphs read zeros
     return cache
 
 
 def decode_cases(model: Decoder, cache: KVCache, batches: Sequence[int], context: int) -> list[Case]:
-    """One decode step per batch: ``batch`` sequences (slots ``1..batch``) with ``context`` cached tokens each."""
+    """One decode step per batch: sequences ``0..batch-1`` of :func:`decode_cache`, ``context`` cached tokens each.
+
+    Each case's metadata is built once here and kept (see the module docstring).
+    """
     device, _ = device_dtype(model)
     per_token = kv_bytes_per_token(model, cache.dtype)
     cases = []
     for b in batches:
-        positions = torch.full((b,), context, dtype=torch.int64, device=device)
-        slots = torch.arange(1, b + 1, dtype=torch.int64, device=device)
-        meta = AttentionMetadata.for_decode(cache, slots, positions)
+        meta = AttentionMetadata.for_decode(cache, [(i, context) for i in range(b)])
         floor = weight_bytes_read(model, b) + b * (context + 1) * per_token
-        cases.append(Case("decode", b, _ids(model, b, seed=b, device=device), positions, meta, floor, seqs=b))
+        cases.append(Case("decode", b, _ids(model, b, seed=b, device=device), meta.positions, meta, floor, seqs=b))
     return cases
 
 
@@ -105,19 +119,22 @@ def prefill_lengths(total: int) -> list[int]:
     return lengths
 
 
-def prefill_cases(model: Decoder, totals: Sequence[int]) -> list[Case]:
-    """One packed prefill per total: fresh prompts of :func:`prefill_lengths`, in one shared cache."""
+def prefill_cases(model: Decoder, totals: Sequence[int], backend: str = "auto") -> list[Case]:
+    """One packed prefill per total: fresh prompts of :func:`prefill_lengths`, each case on its own pages of one
+    prefill cache (sequences ``(total, i)``). A fresh prompt rewrites all its k/v before attending to them, so
+    repeated calls of a case are identical. ``Case.seqs`` is the number of prompts."""
     if not totals:
         return []
     device, dtype = device_dtype(model)
     layouts = [prefill_lengths(t) for t in totals]
+    page_size = DEFAULT_PAGE_SIZE
+    pages = sum(pages_for(n, page_size) for lengths in layouts for n in lengths) + 1  # + the scratch page
     longest = max(max(lengths) for lengths in layouts)
-    slots = max(len(lengths) for lengths in layouts)
-    cache = KVCache(model.config, num_slots=slots, max_len=longest, dtype=dtype, device=device)
+    cache = KVCache(model.config, pages, page_size, dtype=dtype, device=device, max_seq_len=longest, backend=backend)
     per_token = kv_bytes_per_token(model, dtype)
     cases = []
     for total, lengths in zip(totals, layouts):
-        meta = AttentionMetadata.for_batch(cache, [(i + 1, 0, n) for i, n in enumerate(lengths)])
+        meta = AttentionMetadata.for_batch(cache, [((total, i), 0, n) for i, n in enumerate(lengths)])
         floor = weight_bytes_read(model, total) + total * per_token
         cases.append(Case("prefill", total, _ids(model, total, seed=10_000 + total, device=device),
                           meta.positions, meta, floor, seqs=len(lengths)))

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from piecegraph.cli_common import load_model, resolve_device
+from piecegraph.cli_common import load_model, resolve_attention, resolve_device
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
@@ -42,7 +42,7 @@ def _modes(text: str, device: str) -> list[str]:
     return names
 
 
-def _profile_spec(text: Optional[str]) -> Optional[tuple[str, int]]:
+def _profile_spec(text: str | None) -> tuple[str, int] | None:
     if not text:
         return None
     from piecegraph.bench.modes import KNOWN_MODES
@@ -57,22 +57,27 @@ def _profile_spec(text: Optional[str]) -> Optional[tuple[str, int]]:
 def bench(
     model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
     modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,breakable,"
-                              "torch.compile,reduce-overhead,meta-pcg,none (auto: all on GPU, eager,none on CPU)"),
+                              "torch.compile,reduce-overhead,graph-partition,meta-pcg,none "
+                              "(auto: all on GPU, eager,none on CPU)"),
     batches: str = typer.Option("1,10,256,1024", help="decode batch sizes (sequences per step)"),
     prefill: str = typer.Option("16,128,512,2048", help="packed prefill token totals, mixed lengths ('' for none)"),
     context: int = typer.Option(256, min=1, help="cached tokens per sequence in decode"),
     repeats: int = typer.Option(20, min=1, help="timed calls per cell (median reported)"),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="write env, modes and rows as JSON"),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: ms by batch / tokens, log scale"),
-    profile: Optional[str] = typer.Option(None, help="MODE:BATCH: also profile one decode step (e.g. piecewise:1)"),
+    json_path: Path | None = typer.Option(None, "--json", help="write env, modes and rows as JSON"),  # noqa: B008
+    plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG: ms by batch, by tokens"),  # noqa: B008
+    profile: str | None = typer.Option(None, help="MODE:BATCH: also profile one decode step (e.g. piecewise:1)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    attention: str = typer.Option("auto", help="attention backend of the paged KV caches: auto | torch | flashinfer "
+                                  "(auto: FlashInfer on a GPU that has it, else torch)"),
 ) -> None:
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
     from piecegraph.bench.harness import environment
+    from piecegraph.bench.profile import attention_op_us
     from piecegraph.bench.report import compact, payload, rich_table, write_json
     from piecegraph.bench.sweep import run_sweep
 
     device = resolve_device(device)
+    backend = resolve_attention(attention, device)
     batch_list, prefill_list = _ints(batches, "--batches"), _ints(prefill, "--prefill")
     if not batch_list:
         raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
@@ -80,25 +85,32 @@ def bench(
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
     net = load_model(model, device, dtype)
+    _check_backend(net, backend)
+    op_us = attention_op_us(net, backend, context)  # before the sweep: a sweep cut short still records it
+    partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
 
     def env_of(result: Any) -> dict[str, Any]:
         return environment(net, model, result.bandwidth_gbs, context=context, repeats=repeats, batches=batch_list,
-                           prefill=prefill_list, modes=mode_list)
+                           prefill=prefill_list, modes=mode_list, attention=attention,
+                           attention_backend=result.attention_backend or backend,
+                           inductor_graph_partition=partition_default)
 
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
         if json_path:
-            write_json(json_path, payload({**env_of(result), "partial": True}, result.rows, result.modes))
+            data = payload({**env_of(result), "partial": True}, result.rows, result.modes, attention_op_us=op_us)
+            write_json(json_path, data)
 
     def log(line: str) -> None:  # plain: reasons and tracebacks hold brackets that rich would read as markup
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
-                       on_mode=save_partial)
+                       on_mode=save_partial, attention=backend)
     env = env_of(result)
     console.print(rich_table(result.rows, f"{model} {env['dtype']} on {env['gpu']}, torch {env['torch']}, "
-                                          f"context {context}"))
-    profiled = _run_profile(net, spec, context) if spec else None
-    data = payload(env, result.rows, result.modes, profiled)
+                                          f"{env['attention_backend']} attention, context {context}"))
+    console.print(_op_table(op_us, env["attention_backend"]))
+    profiled = _run_profile(net, spec, context, backend) if spec else None
+    data = payload(env, result.rows, result.modes, profiled, attention_op_us=op_us)
     console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
     if json_path:
         write_json(json_path, data)
@@ -106,17 +118,52 @@ def bench(
     if plot_path:
         from piecegraph.bench.plot import plot
 
-        plot(result.rows, plot_path, title=f"{model} {env['dtype']}, {env['gpu']}, torch {env['torch']}")
+        plot(result.rows, plot_path, title=f"{model} {env['dtype']}, {env['gpu']}, torch {env['torch']}, "
+                                           f"{env['attention_backend']} attention")
         console.print(f"wrote {plot_path}")
 
 
-def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int) -> dict:
+def _check_backend(net: torch.nn.Module, backend: str) -> None:
+    """Build a two-page cache with ``backend`` now, so a backend that cannot start here (a broken install, a
+    dtype it does not attend in) is an error naming ``--attention`` before the sweep, not a traceback inside it."""
+    from piecegraph.models import KVCache
+
+    param = next(net.parameters())
+    try:
+        KVCache(net.config, 2, dtype=param.dtype, device=param.device, backend=backend)
+    except Exception as exc:  # noqa: BLE001  (whatever stops the backend, the user's fix is another --attention)
+        raise typer.BadParameter(f"{backend!r} cannot run here: {type(exc).__name__}: {exc}",
+                                 param_hint="--attention") from None
+
+
+def _inductor_graph_partition() -> bool | None:
+    """This torch's default ``torch._inductor.config.graph_partition`` (what reduce-overhead runs with)."""
+    import torch._inductor.config as inductor_config
+
+    return getattr(inductor_config, "graph_partition", None)
+
+
+def _op_table(op_us: dict[str, Any], backend: str) -> Table:
+    from piecegraph.bench.profile import OP_COST_CASES
+
+    table = Table(title=f"attention op ({backend}): CPU us per call")
+    table.add_column("case")
+    table.add_column("us", justify="right")
+    table.add_column("note", max_width=100, overflow="fold")
+    failed = op_us.get("failed", {})
+    for key, _, _ in OP_COST_CASES:
+        value = op_us.get(key)
+        table.add_row(key, "-" if value is None else f"{value:.1f}", failed.get(key, ""))
+    return table
+
+
+def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int, backend: str) -> dict:
     from piecegraph.bench.profile import profile_step
 
     mode, batch = spec
     try:
-        result = profile_step(net, mode, batch, context=context)
-    except Exception as exc:  # the sweep's results still get written
+        result = profile_step(net, mode, batch, context=context, attention=backend)
+    except Exception as exc:  # noqa: BLE001  (the sweep's results still get written)
         result = {"mode": mode, "batch": batch, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]}
     table = Table(title=f"profile: {mode}, decode batch {batch}")
     table.add_column("what")

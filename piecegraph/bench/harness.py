@@ -9,8 +9,9 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ class Row:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Row":
+    def from_json(cls, data: dict[str, Any]) -> Row:
         """The inverse of :meth:`to_json` (for plotting or comparing saved results)."""
         size = data["batch"] if "batch" in data else data["tokens"]
         fields = {k: v for k, v in data.items() if k not in ("batch", "tokens")}

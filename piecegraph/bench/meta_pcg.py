@@ -16,7 +16,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import importlib.util
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -51,11 +52,11 @@ def attention_as_no_graph() -> Iterator[None]:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
         original(q, k, v, out, layer)
 
-    setattr(namespace, "attention", attention)
+    namespace.attention = attention
     try:
         yield
     finally:
-        setattr(namespace, "attention", original)
+        namespace.attention = original
 
 
 class MetaPiecewise:
@@ -108,7 +109,7 @@ class MetaPiecewise:
         seq, static, out = self.graphs[self.sizes[pos]]
         for buf, x in zip(static, (input_ids, positions)):
             buf[:n].copy_(x)
-            buf[n:].zero_()  # pad tokens: slot 0 / position 0, harmless for the reference attention
+            buf[n:].zero_()  # pad tokens (position 0): the attention op leaves rows past its metadata's n zero
         with torch.no_grad():
             seq.replay()
         return out[:n].clone()

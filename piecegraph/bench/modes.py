@@ -10,14 +10,21 @@
 | none | piecegraph ``mode="none"``: compiled pieces, no graphs (the CPU mode) |
 | torch.compile | ``torch.compile(model)``, default mode |
 | reduce-overhead | ``torch.compile(model, mode="reduce-overhead")``: Inductor's CUDA graph trees |
+| graph-partition | reduce-overhead with Inductor graph partition cut at the attention op (PyTorch's piecewise) |
 | meta-pcg | Meta's ``piecewise_cuda_graphs`` with attention as ``@no_graph`` (when installed) |
+
+``reduce-overhead`` runs with this torch's Inductor defaults (recorded as ``env.inductor_graph_partition``):
+recent torch (2.13 here) turns ``graph_partition`` on by default, but it then cuts only at CUDA-graph-unsafe
+ops (CPU ops, tagged custom ops), so the attention op is still recorded inside the graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,15 +33,30 @@ from piecegraph.bench import meta_pcg
 from piecegraph.bench.harness import sync
 
 # Slowest to compile last: a sweep cut short by a time limit loses the baselines, not piecegraph's modes.
-GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "breakable", "meta-pcg", "torch.compile", "reduce-overhead")
+GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "breakable", "meta-pcg", "torch.compile", "reduce-overhead",
+             "graph-partition")
 CPU_MODES = ("eager", "none")
 KNOWN_MODES = GPU_MODES + ("none",)
-_GRAPHED = ("full", "full-compiled", "piecewise", "breakable", "meta-pcg", "reduce-overhead")
+_GRAPHED = ("full", "full-compiled", "piecewise", "breakable", "meta-pcg", "reduce-overhead", "graph-partition")
 
-FULL_PREFILL = ("a full graph bakes host metadata (seq_bounds) into the graph; varlen prefill needs piecewise "
-                "(piecegraph rejects the changed layout)")
-REDUCE_OVERHEAD_PREFILL = ("graph recorded with this layout's host metadata baked in: correct only while the layout "
-                           "repeats (a server would get wrong results)")
+FULL_PREFILL = ("a full graph captures pure decode steps only (token-aligned metadata); a varlen prefill's layout "
+                "is host metadata, so it needs piecewise (piecegraph rejects it)")
+REDUCE_OVERHEAD_PREFILL = ("attention op recorded inside the graph: replays reuse the metadata tensors of the "
+                           "recording step (slots, page tables, masks); correct only while that step repeats (a "
+                           "server would get wrong results)")
+REDUCE_OVERHEAD_DECODE = ("attention op recorded inside the graph: replays read the recording step's metadata tensors "
+                          "(the bench keeps them; a server's next step builds new ones, which replays would not see)")
+GRAPH_PARTITION_PREFILL = ("attention runs eagerly between the partitions' graphs and reads this step's metadata at "
+                           "call time: valid for any layout of this token count (graphs recorded per token count)")
+# Inductor graph partition, cut at the attention op (torch._inductor.config; custom_should_partition_ops arrived
+# after torch 2.9.0). Patched for the graph-partition mode's whole life, compile and calls, then restored.
+GRAPH_PARTITION_CONFIG: dict[str, Any] = {
+    "graph_partition": True,
+    "custom_should_partition_ops": ["piecegraph_models::attention"],
+}
+# Both CUDA-graph-tree modes compile with torch.compile's default (dynamic after the first new size), so their
+# rows differ only in the partition.
+_DYNAMIC: bool | None = None
 
 
 @dataclass
@@ -48,10 +70,12 @@ class Prepared:
     name: str
     fn: Callable[..., torch.Tensor]
     setup_s: float = 0.0
-    stats: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    stats: Callable[[], dict[str, Any]] = field(default=dict)
     warm_calls: int = 0
     prefill_skip: str | None = None
     prefill_note: str | None = None
+    decode_note: str | None = None
+    close: Callable[[], None] = field(default=lambda: None)  # undo what prepare() changed (config patches)
 
 
 def has_breakable() -> bool:
@@ -71,9 +95,40 @@ def unavailable(name: str) -> str | None:
         return "this piecegraph has no mode='breakable'"
     if name == "meta-pcg":
         return meta_pcg.available()
+    if name == "graph-partition" and (reason := graph_partition_missing()):
+        return reason
     if name in _GRAPHED and not torch.cuda.is_available():
         return "captures CUDA graphs: needs a GPU"
     return None
+
+
+def graph_partition_missing() -> str | None:
+    """Why this torch has no Inductor graph partition at custom ops (the missing config names), or ``None``."""
+    import torch._inductor.config as inductor_config
+
+    missing = [key for key in GRAPH_PARTITION_CONFIG if not hasattr(inductor_config, key)]
+    if not missing:
+        return None
+    return (f"torch {torch.__version__} has no torch._inductor.config.{', '.join(missing)} "
+            "(Inductor graph partition at named custom ops came after torch 2.9.0)")
+
+
+def _graph_partition(model: torch.nn.Module) -> Prepared:
+    """reduce-overhead with the graph cut at the attention op; :attr:`Prepared.close` restores the config.
+
+    ``torch.compile`` compiles lazily (on the first calls, and again on recompiles), so the patch must hold
+    through the calls too, not only around ``torch.compile``.
+    """
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(GRAPH_PARTITION_CONFIG))
+    try:
+        fn = torch.compile(model, mode="reduce-overhead", dynamic=_DYNAMIC)
+    except BaseException:
+        stack.close()
+        raise
+    return Prepared("graph-partition", fn, warm_calls=3, prefill_note=GRAPH_PARTITION_PREFILL, close=stack.close)
 
 
 def _graphed(model: torch.nn.Module, mode: str, compiler: str, sizes: Sequence[int],
@@ -95,6 +150,7 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
     """Build mode ``name``; graphed modes capture every bench size they will run (decode + prefill).
 
     Full-graph modes capture only the decode batches: their prefill rows are skipped (see ``FULL_PREFILL``).
+    Call the result's ``close()`` once its calls are done (``graph-partition`` patches Inductor's config).
     """
     every = tuple(sorted(set(decode_sizes) | set(prefill_sizes)))
     if name == "eager":
@@ -110,8 +166,10 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
         return Prepared(name, torch.compile(model), warm_calls=2)
     if name == "reduce-overhead":
         # Three first calls: warm-up, record, first replay (CUDA graph trees record on the second call).
-        return Prepared(name, torch.compile(model, mode="reduce-overhead"), warm_calls=3,
-                        prefill_note=REDUCE_OVERHEAD_PREFILL)
+        return Prepared(name, torch.compile(model, mode="reduce-overhead", dynamic=_DYNAMIC), warm_calls=3,
+                        prefill_note=REDUCE_OVERHEAD_PREFILL, decode_note=REDUCE_OVERHEAD_DECODE)
+    if name == "graph-partition":
+        return _graph_partition(model)
     if name == "meta-pcg":
         runner = meta_pcg.MetaPiecewise(model, every)
         sync()

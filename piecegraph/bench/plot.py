@@ -5,8 +5,9 @@ matplotlib with the Agg backend, selected before pyplot is imported, so it works
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from piecegraph.bench.harness import Row
 

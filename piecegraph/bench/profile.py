@@ -8,10 +8,12 @@ Two measurements, kept apart because the profiler's own overhead would distort t
    inside split ops (what runs eagerly between replays), and graph launches per step.
 
 A step whose CPU time is about its device time is CPU bound: the GPU waits for Python between pieces.
+:func:`attention_op_us` prices the piece in between: one call of the attention split op, per backend.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 from unittest import mock
@@ -19,13 +21,16 @@ from unittest import mock
 import torch
 
 from piecegraph.bench import modes as bench_modes
-from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases
+from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases
 from piecegraph.bench.harness import sync, time_ms
 from piecegraph.context import forward_context
 from piecegraph.graphs.capture import GraphedPiece
+from piecegraph.models.generate import device_dtype
 
 SPLIT_OP = "piecegraph_models::attention"
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+# attention_op_us's cases: (JSON key, phase, decode batch | prefill tokens)
+OP_COST_CASES = (("decode_1", "decode", 1), ("prefill_512", "prefill", 512))
 _VIEWS = ("aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten::select", "aten::unsqueeze",
           "aten::expand", "aten::as_strided", "aten::_reshape_alias", "aten::alias", "aten::narrow",
           "aten::t", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_like")
@@ -100,8 +105,10 @@ def _device_us(event: Any) -> float:
     return float(getattr(event, "cuda_time_total", 0) or 0)
 
 
-def profile_step(model: torch.nn.Module, mode: str, batch: int, context: int = 256, steps: int = 20) -> dict[str, Any]:
-    """Profile one decode step of ``mode`` at ``batch`` sequences of ``context`` cached tokens.
+def profile_step(model: torch.nn.Module, mode: str, batch: int, context: int = 256, steps: int = 20,
+                 attention: str = "auto") -> dict[str, Any]:
+    """Profile one decode step of ``mode`` at ``batch`` sequences of ``context`` cached tokens, on a paged cache
+    with the ``attention`` backend.
 
     Returns a flat dict (JSON-ready): pieces, step GPU and CPU ms, CPU ms in graph replays, split-op calls with
     their CPU/GPU ms, eager ATen ops and kernels per split op, graph launches per step, and a one-line verdict.
@@ -110,19 +117,22 @@ def profile_step(model: torch.nn.Module, mode: str, batch: int, context: int = 2
     reason = bench_modes.unavailable(mode)
     if reason:
         return {"mode": mode, "batch": batch, "skipped": reason}
-    cache = decode_cache(model, [batch], context)
+    cache = decode_cache(model, [batch], context, attention)
     case = decode_cases(model, cache, [batch], context)[0]
     prep = bench_modes.prepare(mode, model, [batch], [], capture_inputs(model, cache))
     args = case.args(0)
-    with torch.no_grad(), forward_context(case.meta):
-        for _ in range(max(prep.warm_calls, 1)):
-            prep.fn(*args)
-        gpu_ms = time_ms(lambda i: prep.fn(*case.args(i)), repeats=steps)
-        cpu = _cpu_breakdown(prep.fn, args, steps)
-        counts = _profiled_counts(prep.fn, args, min(steps, 5))
-    stats = prep.stats() or {}
-    result = {"mode": mode, "batch": batch, "context": context, "pieces": stats.get("pieces"),
-              "step_gpu_ms": gpu_ms, **cpu, **counts}
+    try:
+        with torch.no_grad(), forward_context(case.meta):
+            for _ in range(max(prep.warm_calls, 1)):
+                prep.fn(*args)
+            gpu_ms = time_ms(lambda i: prep.fn(*case.args(i)), repeats=steps)
+            cpu = _cpu_breakdown(prep.fn, args, steps)
+            counts = _profiled_counts(prep.fn, args, min(steps, 5))
+        stats = prep.stats() or {}
+    finally:
+        prep.close()
+    result = {"mode": mode, "batch": batch, "context": context, "attention_backend": cache.backend.name,
+              "pieces": stats.get("pieces"), "step_gpu_ms": gpu_ms, **cpu, **counts}
     # What is neither a graph launch nor a split op: staging copies, output clones, Python glue.
     launch_ms = max(cpu["replay_cpu_ms"], cpu["piece_call_cpu_ms"])
     result["other_cpu_ms"] = max(0.0, cpu["step_cpu_ms"] - launch_ms - counts["split_cpu_ms_per_step"])
@@ -141,3 +151,57 @@ def verdict(p: dict[str, Any]) -> str:
             f"({p['aten_ops_per_split']:.0f} ATen ops, {p['kernels_per_split']:.0f} kernels each), "
             f"graph replays {p['replay_cpu_ms']:.2f} ms CPU for {p['graph_launches_per_step']:.0f} launches, "
             f"other {p['other_cpu_ms']:.2f} ms CPU")
+
+
+def attention_op_us(model: torch.nn.Module, attention: str = "auto", context: int = 256, calls: int = 30
+                    ) -> dict[str, Any]:
+    """Median CPU microseconds of one call of the attention split op (layer 0), per :data:`OP_COST_CASES`:
+    decode batch 1 at ``context`` cached tokens, and the bench's 512-token packed prefill, on fresh paged caches
+    with the ``attention`` backend. Never raises: a case that fails is ``None``, its reason under ``"failed"``.
+
+    What a piecewise mode pays per layer between graph replays: the dispatcher, the op's Python and the
+    backend's kernel launches, but not the step's metadata build (once per step, not per call). Each call starts
+    on an idle device and is not synchronized at its end, so on CUDA it is host time only; on CPU the kernels
+    run inside the call, so it is the whole op. ``model`` is a reference :class:`~piecegraph.models.Decoder`.
+    """
+    result: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for key, phase, size in OP_COST_CASES:
+        try:
+            if phase == "decode":
+                meta = decode_cases(model, decode_cache(model, [size], context, attention), [size], context)[0].meta
+            else:
+                meta = prefill_cases(model, [size], attention)[0].meta
+            result[key] = _op_call_us(model, meta, calls)
+        except Exception as exc:  # noqa: BLE001  (a number we could not take is a reason, not a lost sweep)
+            result[key] = None
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            failed[key] = f"failed: {type(exc).__name__}: {text}"[:300]
+    if failed:
+        result["failed"] = failed
+    return result
+
+
+def _op_call_us(model: torch.nn.Module, meta: Any, calls: int, warmup: int = 3) -> float:
+    """Median host microseconds of ``torch.ops.piecegraph_models.attention`` on random q/k/v under ``meta``."""
+    config = model.config
+    device, dtype = device_dtype(model)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = meta.num_tokens
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(n, heads * config.head_dim, generator=gen).to(device=device, dtype=dtype)
+
+    q, k, v = rand(config.num_heads), rand(config.num_kv_heads), rand(config.num_kv_heads)
+    out = torch.empty_like(q)
+    op = torch.ops.piecegraph_models.attention
+    times = []
+    with torch.no_grad(), forward_context(meta):
+        for i in range(warmup + calls):  # warm-up: lazy inits, JIT kernels (FlashInfer), allocator blocks
+            sync()
+            start = time.perf_counter()
+            op(q, k, v, out, 0)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    sync()
+    return statistics.median(times) * 1e6

@@ -5,10 +5,12 @@
 JSON layout (``benchmarks/README.md`` documents it for readers of committed results)::
 
     {"env": {"gpu", "torch", "cuda", "python", "piecegraph", "model", "model_config", "dtype", "date",
-             "bandwidth_gbs", "context", "repeats", ...},
+             "bandwidth_gbs", "context", "repeats", "attention", "attention_backend",
+             "inductor_graph_partition", ...},
      "modes": {"<mode>": {"setup_s", "capture_s", "pool_mib", "pieces", "sizes"} | {"skipped": reason}},
      "rows": [{"mode", "phase", "batch" | "tokens", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib",
                "rel_err", "seqs"?, "skipped"?, "note"?}],
+     "attention_op_us": {"decode_1", "prefill_512", "failed"?: {case: reason}},
      "profile": {...}?}
 """
 
@@ -17,8 +19,9 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rich.table import Table
 
@@ -50,8 +53,10 @@ def rich_table(rows: Sequence[Row], title: str) -> Table:
 
 
 def payload(env: dict[str, Any], rows: Sequence[Row], modes: dict[str, Any],
-            profile: dict[str, Any] | None = None) -> dict[str, Any]:
+            profile: dict[str, Any] | None = None, attention_op_us: dict[str, Any] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {"env": env, "modes": modes, "rows": [r.to_json() for r in rows]}
+    if attention_op_us is not None:
+        data["attention_op_us"] = attention_op_us
     if profile is not None:
         data["profile"] = profile
     return data
@@ -73,8 +78,10 @@ def compact(data: dict[str, Any]) -> str:
     cell = {(r["phase"], r.get("batch", r.get("tokens")), r["mode"]): r for r in rows}
     width = max(9, *(len(m) + 1 for m in modes))
     env = data.get("env", {})
-    lines = [f"ms per step, median ({env.get('gpu')}, torch {env.get('torch')}, {env.get('model')} "
-             f"{env.get('dtype')}, context {env.get('context')}, {env.get('bandwidth_gbs')} GB/s copy)",
+    title = (f"ms per step, median ({env.get('gpu')}, torch {env.get('torch')}, {env.get('model')} "
+             f"{env.get('dtype')}, {env.get('attention_backend', '?')} attention, context {env.get('context')}, "
+             f"{env.get('bandwidth_gbs')} GB/s copy)")
+    lines = [title,
              f"{'phase':8s}{'size':>6s}" + "".join(f"{m:>{width}s}" for m in modes)]
     for phase, size in keys:
         values = []
@@ -82,10 +89,14 @@ def compact(data: dict[str, Any]) -> str:
             r = cell.get((phase, size, m), {})
             values.append("skip" if r.get("skipped") or r.get("ms") is None else f"{r['ms']:.3f}")
         lines.append(f"{phase:8s}{size:>6d}" + "".join(f"{v:>{width}s}" for v in values))
-    lines.append(f"{'setup s':14s}" + "".join(f"{_fmt(data.get('modes', {}).get(m, {}).get('setup_s'), '.1f'):>{width}s}"
-                                               for m in modes))
-    lines.append(f"{'pool MiB':14s}" + "".join(f"{_fmt(data.get('modes', {}).get(m, {}).get('pool_mib'), '.0f'):>{width}s}"
-                                                for m in modes))
+    facts = data.get("modes", {})
+    for label, key, spec in (("setup s", "setup_s", ".1f"), ("pool MiB", "pool_mib", ".0f")):
+        lines.append(f"{label:14s}" + "".join(f"{_fmt(facts.get(m, {}).get(key), spec):>{width}s}" for m in modes))
+    op_us = data.get("attention_op_us") or {}
+    if op_us:
+        cells = [f"{k} {'-' if v is None else format(v, '.1f')}" for k, v in op_us.items() if k != "failed"]
+        lines.append(f"attention op CPU us per call: {', '.join(cells)}"
+                     + (f" (failed: {op_us['failed']})" if op_us.get("failed") else ""))
     profile = data.get("profile") or {}
     if profile:
         lines.append(f"profile {profile.get('mode')} batch {profile.get('batch')}: "
@@ -94,13 +105,16 @@ def compact(data: dict[str, Any]) -> str:
 
 
 def result_name(env: dict[str, Any]) -> str:
-    """``<date>_<gpu>_torch<version>``: the file name of a committed result (see benchmarks/README.md).
+    """``<date>_<gpu>_torch<version>_<attention>``: the file name of a committed result (benchmarks/README.md).
 
-    ``NVIDIA H200`` -> ``h200``, ``2.11.0+cu128`` -> ``torch2.11.0``: short, sortable by date, no spaces.
+    ``NVIDIA H200`` -> ``h200``, ``2.11.0+cu128`` -> ``torch2.11.0``, the resolved attention backend last
+    (absent in files from before paged attention): short, sortable by date, no spaces.
     """
     gpu = re.sub(r"[^a-z0-9]+", "-", str(env.get("gpu", "unknown")).lower().replace("nvidia", "")).strip("-")
     torch_version = str(env.get("torch", "unknown")).split("+")[0]
-    return f"{env.get('date', 'undated')}_{gpu or 'unknown'}_torch{torch_version}"
+    name = f"{env.get('date', 'undated')}_{gpu or 'unknown'}_torch{torch_version}"
+    backend = re.sub(r"[^a-z0-9]+", "-", str(env.get("attention_backend") or "").lower()).strip("-")
+    return f"{name}_{backend}" if backend else name
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -111,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m piecegraph.bench.report")
     parser.add_argument("results", type=Path)
     parser.add_argument("--plot", type=Path, help="draw the PNG from the saved rows")
-    parser.add_argument("--name", action="store_true", help="print <date>_<gpu>_torch<ver> and exit")
+    parser.add_argument("--name", action="store_true", help="print <date>_<gpu>_torch<ver>_<attention> and exit")
     args = parser.parse_args(argv)
     data = json.loads(args.results.read_text())
     if args.name:
@@ -122,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         env = data["env"]
         plot([Row.from_json(r) for r in data["rows"]], args.plot,
-             title=f"{env.get('model')} {env.get('dtype')}, {env.get('gpu')}, torch {env.get('torch')}")
+             title=f"{env.get('model')} {env.get('dtype')}, {env.get('gpu')}, torch {env.get('torch')}, "
+                   f"{env.get('attention_backend', '?')} attention")
     print(compact(data))
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class SweepResult:
     rows: list[Row]
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
     bandwidth_gbs: float = 0.0
+    attention_backend: str | None = None  # the name the caches' backend resolved to
 
 
 def _reason(exc: BaseException, log: Log | None = None) -> str:
@@ -65,8 +67,7 @@ def _time_case(prep: bench_modes.Prepared, case: Case, repeats: int, bandwidth_g
     row.tok_s = case.size / row.ms * 1e3
     floor_ms = case.floor_bytes / (bandwidth_gbs * 1e9) * 1e3
     row.hbm_frac = floor_ms / row.ms
-    if case.phase == "prefill":
-        row.note = prep.prefill_note
+    row.note = prep.prefill_note if case.phase == "prefill" else prep.decode_note
     return row, warm_s
 
 
@@ -91,20 +92,23 @@ def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inp
         prefill = [c.size for c in cases if c.phase == "prefill"]
         try:
             prep = bench_modes.prepare(name, model, decode, prefill, make_inputs)
-        except Exception as exc:  # a mode that cannot build is a result, not a crash
+        except Exception as exc:  # noqa: BLE001  (a mode that cannot build is a result, not a crash)
             reason = _reason(exc, log)
     if reason is not None:
         log(f"{name}: skipped ({reason})")
         return [Row(name, c.phase, c.size, skipped=reason) for c in cases], {"skipped": reason}
     rows, warm_total = [], 0.0
-    for case in cases:
-        try:
-            row, warm_s = _time_case(prep, case, repeats, bandwidth_gbs)
-        except Exception as exc:
-            row, warm_s = Row(name, case.phase, case.size, skipped=_reason(exc, log)), 0.0
-        warm_total += warm_s
-        rows.append(row)
-        log(_describe(row))
+    try:
+        for case in cases:
+            try:
+                row, warm_s = _time_case(prep, case, repeats, bandwidth_gbs)
+            except Exception as exc:  # noqa: BLE001  (one failing case skips its row, not the mode)
+                row, warm_s = Row(name, case.phase, case.size, skipped=_reason(exc, log)), 0.0
+            warm_total += warm_s
+            rows.append(row)
+            log(_describe(row))
+    finally:
+        prep.close()  # even when interrupted: the next mode must not run under this one's config patches
     facts = _mode_facts(prep, prep.setup_s + warm_total)
     for row in rows:
         if row.skipped is None:
@@ -124,9 +128,10 @@ def _describe(row: Row) -> str:
 
 def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[int], prefill: Sequence[int],
               context: int = 256, repeats: int = 20, log: Log = print,
-              on_mode: Callable[[SweepResult], None] | None = None) -> SweepResult:
+              on_mode: Callable[[SweepResult], None] | None = None, attention: str = "auto") -> SweepResult:
     """Time ``modes`` on decode steps (``batches`` sequences at ``context`` cached tokens) and packed prefills
-    (``prefill`` total tokens each), all against the same eager references and caches.
+    (``prefill`` total tokens each), all against the same eager references and paged caches, whose attention
+    backend is ``attention`` (``auto | torch | flashinfer``; the resolved name is ``result.attention_backend``).
 
     Constraints: ``model`` is a reference :class:`~piecegraph.models.Decoder` (or loads like one); ``batches``
     is non-empty (the decode cache is sized by it, and graphed modes capture with it); sizes are positive.
@@ -138,10 +143,11 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     device = next(model.parameters()).device
     bandwidth = measure_bandwidth_gbs(device)
     log(f"copy bandwidth {bandwidth:.0f} GB/s")
-    cache = decode_cache(model, batches, context)
-    cases = decode_cases(model, cache, batches, context) + prefill_cases(model, prefill)
+    cache = decode_cache(model, batches, context, attention)
+    cases = decode_cases(model, cache, batches, context) + prefill_cases(model, prefill, attention)
+    log(f"attention backend {cache.backend.name}: {cache!r}")
     _references(model, cases)
-    result = SweepResult([], bandwidth_gbs=bandwidth)
+    result = SweepResult([], bandwidth_gbs=bandwidth, attention_backend=cache.backend.name)
     for name in modes:
         rows, facts = _run_mode(name, model, cases, capture_inputs(model, cache), repeats, bandwidth, log)
         result.rows += rows

@@ -100,6 +100,10 @@ class KVCache:
             raise KeyError(f"sequence {seq!r} has no pages in this KV cache (allocate it first, or it was freed)")
         return list(self._tables[seq])
 
+    def capacity(self, seq: Hashable) -> int:
+        """Tokens the pages of ``seq`` can hold (0 for a sequence without pages)."""
+        return len(self._tables.get(seq, ())) * self.page_size
+
     def sequences(self) -> list[Hashable]:
         return list(self._tables)
 

@@ -103,7 +103,7 @@ class AttentionMetadata:
             if not (isinstance(cached, int) and isinstance(new, int)) or cached < 0 or new < 1:
                 raise ValueError(f"sequence {seq!r}: need num_cached >= 0 and num_new >= 1 (ints), "
                                  f"got num_cached={cached!r}, num_new={new!r}")
-            held = len(cache._tables.get(seq, ())) * cache.page_size
+            held = cache.capacity(seq)
             if cached > held:
                 raise ValueError(f"sequence {seq!r} claims {cached} cached tokens but holds pages for only {held}; "
                                  "a sequence's earlier tokens must have gone through this cache (or reserve "
@@ -111,7 +111,7 @@ class AttentionMetadata:
         cache.reserve((seq, cached + new) for seq, cached, new in seqs)
         layout = BatchLayout(
             seq_ids=tuple(ids), num_new=tuple(n for _, _, n in seqs), kv_lens=tuple(c + n for _, c, n in seqs),
-            pages=tuple(tuple(cache._tables[s]) for s in ids), page_size=cache.page_size,
+            pages=tuple(tuple(cache.page_table(s)) for s in ids), page_size=cache.page_size,
         )
         return cls.from_layout(cache, layout)
 

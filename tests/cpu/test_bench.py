@@ -1,4 +1,5 @@
-"""``piecegraph bench`` on CPU: valid JSON with the documented keys, a real PNG, skipped rows with reasons."""
+"""``piecegraph bench`` on CPU: valid JSON with the documented keys, a real PNG, skipped rows with reasons, the
+paged-cache cases checked against independent references, ``--attention``, graph-partition and the op cost."""
 
 import json
 import sys
@@ -12,13 +13,17 @@ from piecegraph.bench import modes as bench_modes
 from piecegraph.bench import sweep
 from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases, prefill_lengths
 from piecegraph.bench.harness import Row
-from piecegraph.bench.report import compact
+from piecegraph.bench.profile import attention_op_us
+from piecegraph.bench.report import compact, result_name
 from piecegraph.cli import app
 from piecegraph.context import forward_context
-from piecegraph.models import TINY, Decoder
+from piecegraph.models import SCRATCH_PAGE, TINY, AttentionMetadata, Decoder, KVCache
+from piecegraph.models.backends.torch_sdpa import TorchBackend
+from piecegraph.models.kv_cache import pages_for
 
 runner = CliRunner()
-ENV_KEYS = {"gpu", "torch", "model", "dtype", "date", "bandwidth_gbs", "context", "repeats"}
+ENV_KEYS = {"gpu", "torch", "model", "dtype", "date", "bandwidth_gbs", "context", "repeats", "attention",
+            "attention_backend", "inductor_graph_partition"}
 ROW_KEYS = {"mode", "phase", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -28,38 +33,116 @@ def tiny():
     return Decoder.random(TINY, seed=0)
 
 
+def _backend_name(requested: str) -> str:
+    """What the models package resolves ``requested`` to on CPU: the reference for the bench's env."""
+    return KVCache(TINY, 2, backend=requested).backend.name
+
+
 def test_smoke_run_writes_json_png_and_profile(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     result = runner.invoke(app, ["bench", "--device", "cpu", "--batches", "1,2", "--prefill", "16,40", "--context",
                                  "8", "--repeats", "2", "--json", str(out), "--plot", str(png), "--profile", "none:1"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert ENV_KEYS <= set(data["env"]) and data["env"]["gpu"] == "cpu" and data["env"]["bandwidth_gbs"] > 0
+    env = data["env"]
+    assert ENV_KEYS <= set(env) and env["gpu"] == "cpu" and env["bandwidth_gbs"] > 0
+    assert env["attention"] == "auto" and env["attention_backend"] == _backend_name("auto")
     assert {(r["mode"], r["phase"], r.get("batch", r.get("tokens"))) for r in data["rows"]} == {
         (m, p, s) for m in ("eager", "none") for p, sizes in (("decode", (1, 2)), ("prefill", (16, 40))) for s in sizes}
     for row in data["rows"]:
         assert ROW_KEYS <= set(row) and "skipped" not in row
         assert ("batch" in row) == (row["phase"] == "decode") and ("tokens" in row) == (row["phase"] == "prefill")
         assert row["ms"] > 0 and row["tok_s"] > 0 and 0 < row["hbm_frac"] and row["rel_err"] < 1e-5
+    prefill_seqs = {r["tokens"]: r["seqs"] for r in data["rows"] if r["phase"] == "prefill"}
+    assert prefill_seqs == {t: len(prefill_lengths(t)) for t in (16, 40)}
     assert data["modes"]["none"]["pieces"] == TINY.num_layers + 1  # split at each attention op
     profile = data["profile"]
     assert profile["split_calls_per_step"] == TINY.num_layers and profile["aten_ops_per_split"] > 5
+    assert profile["attention_backend"] == env["attention_backend"]
+    op_us = data["attention_op_us"]
+    assert "failed" not in op_us and op_us["decode_1"] > 0 and op_us["prefill_512"] > 0
     bytes_ = png.read_bytes()
     assert bytes_.startswith(PNG_SIGNATURE) and len(bytes_) > 10_000  # two drawn panels, not an empty canvas
-    assert "prefill" in compact(data) and "skip" not in compact(data)
+    text = compact(data)
+    assert "prefill" in text and "skip" not in text and f"{env['attention_backend']} attention" in text
+    assert "attention op CPU us per call" in text
+
+
+def test_attention_flag_picks_the_backend_and_the_json_records_it(tmp_path):
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--attention", "torch", "--modes", "eager", "--batches",
+                                 "1", "--prefill", "", "--context", "4", "--repeats", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    env = json.loads(out.read_text())["env"]
+    assert env["attention"] == "torch" and env["attention_backend"] == _backend_name("torch") == TorchBackend.name
+    assert f"{TorchBackend.name} attention" in result.output  # the table title names the backend
+
+
+@pytest.mark.parametrize("value", ["flashinfer", "nope"])
+def test_an_attention_backend_that_cannot_run_here_names_the_flag(value, tmp_path):
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--attention", value, "--json", str(out)])
+    assert result.exit_code != 0 and "--attention" in result.output, result.output
+    assert not out.exists()  # refused before any work
 
 
 def test_modes_that_cannot_run_here_are_skipped_with_a_reason(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    result = runner.invoke(app, ["bench", "--device", "cpu", "--modes", "eager,piecewise,meta-pcg", "--batches", "1",
-                                 "--prefill", "8", "--context", "4", "--repeats", "1", "--json", str(out),
-                                 "--plot", str(png)])
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--modes", "eager,piecewise,meta-pcg,graph-partition",
+                                 "--batches", "1", "--prefill", "8", "--context", "4", "--repeats", "1",
+                                 "--json", str(out), "--plot", str(png)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
     skipped = {r["mode"]: r["skipped"] for r in rows if "skipped" in r}
-    assert set(skipped) == {"piecewise", "meta-pcg"} and "GPU" in skipped["piecewise"]
+    assert set(skipped) == {"piecewise", "meta-pcg", "graph-partition"}
+    assert "GPU" in skipped["piecewise"] and "GPU" in skipped["graph-partition"]
     assert all(r["ms"] is None for r in rows if "skipped" in r)
     assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_graph_partition_without_the_inductor_config_is_skipped_naming_it(tiny, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    for name in bench_modes.GRAPH_PARTITION_CONFIG:  # this torch has them: the row is skipped for the GPU only
+        assert hasattr(inductor_config, name)
+    monkeypatch.setitem(bench_modes.GRAPH_PARTITION_CONFIG, "no_such_partition_option", True)
+    assert not hasattr(inductor_config, "no_such_partition_option")
+    (case,) = decode_cases(tiny, decode_cache(tiny, [1], 4), [1], 4)
+    rows, facts = sweep._run_mode("graph-partition", tiny, [case], None, 1, 10.0, lambda s: None)
+    assert "no_such_partition_option" in rows[0].skipped and rows[0].skipped == facts["skipped"]
+    assert "custom_should_partition_ops" not in rows[0].skipped  # only the missing names
+
+
+def test_graph_partition_patches_inductor_only_for_its_own_calls(tiny, monkeypatch):
+    # Forced onto CPU (Inductor skips CUDA graphs there): the rows must match eager, every call must run under
+    # the partition config, and the config must be back to what it was once the mode is done.
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(bench_modes, "unavailable", lambda name: None)
+    before = {k: getattr(inductor_config, k) for k in bench_modes.GRAPH_PARTITION_CONFIG}
+    seen, compile_kwargs, real_compile = [], [], torch.compile
+
+    def spy_compile(model, **kwargs):
+        compile_kwargs.append(kwargs)
+        compiled = real_compile(model, **kwargs)
+
+        def call(*args):
+            seen.append({k: getattr(inductor_config, k) for k in bench_modes.GRAPH_PARTITION_CONFIG})
+            return compiled(*args)
+        return call
+
+    monkeypatch.setattr(torch, "compile", spy_compile)
+    cache = decode_cache(tiny, [2], context=4)
+    cases = decode_cases(tiny, cache, [2], 4) + prefill_cases(tiny, [12])
+    sweep._references(tiny, cases)
+    rows, _ = sweep._run_mode("graph-partition", tiny, cases, capture_inputs(tiny, cache), 1, 10.0, lambda s: None)
+    decode, prefill = rows
+    assert decode.skipped is None and prefill.skipped is None, (decode.skipped, prefill.skipped)
+    assert decode.rel_err < 1e-4 and prefill.rel_err < 1e-4
+    assert prefill.note == bench_modes.GRAPH_PARTITION_PREFILL and decode.note is None
+    assert compile_kwargs and all(kw["mode"] == "reduce-overhead" for kw in compile_kwargs)
+    assert seen and all(s == bench_modes.GRAPH_PARTITION_CONFIG for s in seen)
+    assert {k: getattr(inductor_config, k) for k in before} == before
 
 
 def test_full_graph_modes_skip_varlen_prefill(tiny, monkeypatch):
@@ -93,11 +176,94 @@ def test_prefill_lengths_are_mixed_and_sum_to_the_total(total):
         assert len(set(lengths)) > 1  # mixed lengths: the varlen path, not a uniform batch
 
 
-def test_prefill_case_packs_sequences_with_correct_layout(tiny):
-    (case,) = prefill_cases(tiny, [40])
-    assert case.meta.seq_bounds[-1] == 40 and case.seqs == len(prefill_lengths(40))
+def _attend(q, keys, values):
+    """Plain softmax attention of one query ``[H, D]`` over ``[L, Hkv, D]`` keys and values (GQA by repeat)."""
+    group = q.shape[0] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    weights = torch.einsum("hd,lhd->hl", q, keys).mul(q.shape[-1] ** -0.5).softmax(-1)
+    return torch.einsum("hl,lhd->hd", weights, values)
+
+
+def test_decode_cases_attend_their_reserved_random_context(tiny):
+    context, batches = 20, [1, 3]
+    cache = decode_cache(tiny, batches, context)
+    assert cache.max_pages_per_seq == pages_for(context + 8, cache.page_size)  # narrow decode page tables
+    free = cache.num_free_pages
+    case = decode_cases(tiny, cache, batches, context)[1]
+    assert cache.num_free_pages == free  # every sequence's pages were reserved up front
+    tables = [cache.page_table(i) for i in range(3)]
+    assert all(len(t) == pages_for(context + 1, cache.page_size) for t in tables)
+    assert len({p for t in tables for p in t}) == sum(map(len, tables)) and SCRATCH_PAGE not in tables[0]
+    assert case.seqs == 3 and case.meta.page_table.shape == (3, cache.max_pages_per_seq)
+    assert case.positions.tolist() == [context] * 3
+    h, hkv, d = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, heads * d, generator=gen) for heads in (h, hkv, hkv))
+    cached = [(cache.k[0][t].reshape(-1, hkv, d)[:context].clone(), cache.v[0][t].reshape(-1, hkv, d)[:context].clone())
+              for t in tables]
+    assert all(keys.std() > 0.5 for keys, _ in cached)  # random contents, not the zeroed storage
+    out = torch.empty_like(q)
     with torch.no_grad(), forward_context(case.meta):
-        assert tiny(*case.args(1)).shape == (40, TINY.hidden_size)
+        torch.ops.piecegraph_models.attention(q, k, v, out, 0)
+    for i, (keys, values) in enumerate(cached):
+        keys = torch.cat([keys, k[i].view(1, hkv, d)])  # the cached context plus the token decoded now
+        values = torch.cat([values, v[i].view(1, hkv, d)])
+        torch.testing.assert_close(out[i].view(h, d), _attend(q[i].view(h, d), keys, values), rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_case_equals_each_prompt_run_alone(tiny):
+    (case,) = prefill_cases(tiny, [40])
+    lengths = prefill_lengths(40)
+    assert case.seqs == len(lengths) and case.meta.layout.num_new == tuple(lengths)
+    assert case.positions.tolist() == [p for n in lengths for p in range(n)]
+    ids = case.args(1)[0]
+    with torch.no_grad():
+        with forward_context(case.meta):
+            packed = tiny(ids, case.positions)
+        assert packed.shape == (40, TINY.hidden_size)
+        start = 0
+        for n in lengths:  # the reference: one prompt, its own fresh cache
+            solo = KVCache.for_sequences(TINY, 1, n)
+            meta = AttentionMetadata.for_batch(solo, [("alone", 0, n)])
+            with forward_context(meta):
+                alone = tiny(ids[start:start + n], meta.positions)
+            torch.testing.assert_close(packed[start:start + n], alone, rtol=1e-4, atol=1e-5)
+            start += n
+
+
+def test_attention_op_cost_is_the_median_of_the_timed_calls_after_warm_up(tiny, monkeypatch):
+    real = attention_op_us(tiny, "torch", context=8, calls=3)
+    assert "failed" not in real and real["decode_1"] > 0 and real["prefill_512"] > 0
+    # Reference: a fake clock that only the backend's forward advances, by a known cost per call. The first 3
+    # calls of each case (warm-up) cost a second each; the timed ones 1, 5, 2, 4, 100 ms: the median is 4 ms.
+    import piecegraph.bench.profile as bench_profile
+
+    clock, costs, tokens = [0.0], [1.0] * 3 + [1e-3, 5e-3, 2e-3, 4e-3, 100e-3], []
+
+    def forward(self, q, k, v, out, layer, meta):
+        calls = [t for t in tokens if t == meta.num_tokens]
+        clock[0] += costs[len(calls)] * (2 if meta.num_tokens > 1 else 1)  # prefill calls cost twice as much
+        tokens.append(meta.num_tokens)
+
+    monkeypatch.setattr(TorchBackend, "forward", forward)
+    monkeypatch.setattr(bench_profile, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    result = attention_op_us(tiny, "torch", context=8, calls=5)
+    assert sorted(set(tokens)) == [1, 512]  # the two cases: decode batch 1, the 512-token packed prefill
+    assert result["decode_1"] == pytest.approx(4e3) and result["prefill_512"] == pytest.approx(8e3)
+
+
+def test_attention_op_cost_records_a_failure_as_a_reason(tiny, monkeypatch):
+    forward = TorchBackend.forward
+
+    def prefill_breaks(self, q, k, v, out, layer, meta):
+        if not meta.is_decode:
+            raise RuntimeError("no prefill today\nsecond line")
+        return forward(self, q, k, v, out, layer, meta)
+
+    monkeypatch.setattr(TorchBackend, "forward", prefill_breaks)
+    result = attention_op_us(tiny, "torch", context=8, calls=2)
+    assert result["decode_1"] > 0 and result["prefill_512"] is None
+    assert result["failed"] == {"prefill_512": "failed: RuntimeError: no prefill today"}
 
 
 def test_row_json_names_the_size_by_phase():
@@ -105,6 +271,13 @@ def test_row_json_names_the_size_by_phase():
     prefill = Row("full", "prefill", 64, skipped="why").to_json()
     assert prefill["tokens"] == 64 and prefill["skipped"] == "why" and "batch" not in prefill
     assert "skipped" not in Row("eager", "decode", 1).to_json()
+
+
+def test_result_name_ends_with_the_attention_backend():
+    env = {"date": "2026-01-02", "gpu": "NVIDIA H200", "torch": "2.13.0+cu130"}
+    old = result_name(env)  # files from before paged attention keep their names
+    assert old == f"{env['date']}_h200_torch2.13.0"
+    assert result_name({**env, "attention_backend": TorchBackend.name}) == f"{old}_{TorchBackend.name}"
 
 
 def test_meta_adapter_marks_attention_no_graph_and_restores_it(tiny, monkeypatch):

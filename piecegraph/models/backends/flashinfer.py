@@ -1,0 +1,287 @@
+"""The ``flashinfer`` attention backend: FlashInfer's paged kernels behind the one split op (CUDA only).
+
+``plan`` (host, once per step) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout
+(``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) plus, for the cache write, each new token's
+batch index and position; the device half goes in one packed copy. A pure decode step plans a
+``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores); anything else (prefill, mixed, chunked-prefill
+continuation) a causal ``BatchPrefillWithPagedKVCacheWrapper`` (FlashInfer aligns the causal mask bottom-right,
+which is where a step's new tokens sit). ``forward`` is ``append_paged_kv_cache`` then ``wrapper.run``.
+``for_cuda_graph`` pads a decode step to ``size`` rows on a per-size CUDA-graph decode wrapper.
+
+Measured in this project (FlashInfer 0.5.3, H200, 14 q / 2 kv heads, head_dim 64): ragged prefill ``run()``
+18-23 us of CPU; paged decode needs ``use_tensor_cores=True`` (the plain decode kernel refuses group size 7) and
+its ``run()`` costs 20-25 us of CPU; ``plan()`` 65-690 us per step; the first JIT build 17-51 s.
+
+Verified in the 0.5.3 source (decode.py, prefill.py, page.py, csrc/batch_prefill.cu, attention/scheduler.cuh):
+
+- The tensor-core decode wrapper plans and runs the ``fa2`` batch-prefill module (``get_batch_prefill_module``,
+  ``functools.cache``d); the prefill wrapper is pinned to ``backend="fa2"`` (``auto`` picks fa3 on sm90) so
+  both share one JIT build and the prefill wrapper skips fa3's 64 MiB vector-sparse buffers.
+- With ``use_cuda_graph=True`` and tensor cores, ``plan()`` copies indptr / last_page_len / indices into the
+  buffers given to the constructor, ``qo_indptr`` is an ``arange`` made once in ``__init__``, and the int
+  workspace is allocated once in ``__init__``. ``run()`` reads exactly: both workspaces, those four buffers,
+  q, the caches, out, the host ``plan_info`` and host scalars (scale, window, heads; ``max_kv_len`` only on
+  trtllm-gen). So every device pointer a captured ``run`` bakes is fixed.
+- The host ``plan_info`` is baked into the graph too. In CUDA-graph mode ``PrefillPlan`` forces ``split_kv``,
+  sizes the grid by ``padded_batch_size = max(2 * SMs / kv_heads, ceil(B * group / cta_tile_q) + B - 1)`` with
+  ``cta_tile_q`` from the group size, and takes every workspace offset from those: all fixed per batch size.
+  The per-step ``kv_chunk_size`` and ``total_num_rows`` live in the int workspace, read by the kernels through
+  pointers. :meth:`FlashInferBackend._plan_graph` still checks that ``plan_info`` never changes for a size.
+- ``append_paged_kv_cache(k, v, batch_indices, positions, (k_cache, v_cache), kv_indices, kv_indptr,
+  kv_last_page_len, kv_layout)`` writes token i at page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot
+  ``pos % page_size`` (``b, pos = batch_indices[i], positions[i]``); it needs only k/v's last dim contiguous.
+- ``plan()`` reads ``qo_indptr``, ``kv_indptr``, ``last_page_len`` on the host (``.to("cpu")``: a sync if they
+  were on the GPU), so those go in as CPU tensors; ``kv_indices`` is only moved or copied device-side, so it
+  goes in already on the device (a CPU one would be a blocking copy in CUDA-graph mode).
+- ``plan()`` writes its schedule into one pinned host buffer per wrapper and ``cudaMemcpyAsync``-s it, without
+  a sync; re-planning a wrapper before that copy ran would corrupt it, so :meth:`_plan_on` waits for the
+  previous plan's copy (only when the host is a whole step ahead of the GPU).
+- ``run()`` reads a cached ALiBi slopes tensor made on first use by a blocking copy, which capture forbids;
+  ``__init__`` makes it up front.
+
+Constraints: bf16/fp16 caches (FlashInfer has no fp32 kernels); q must have the cache's dtype. A wrapper holds one
+plan at a time, so ``forward`` re-plans (counted in ``replans``) when metadata planned earlier runs after a later
+step's. Full CUDA graphs: one decode wrapper, an 8 MiB int workspace and an 8 MiB pinned buffer per capture size;
+``for_cuda_graph`` plans before every capture and replay (never during), and pad rows write and read the
+scratch page only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from piecegraph.models.config import ModelConfig
+from piecegraph.models.kv_cache import SCRATCH_PAGE, KVCache, pages_for
+from piecegraph.models.metadata import AttentionMetadata, BatchLayout, to_device
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
+
+
+class _Slot:
+    """One FlashInfer wrapper, the plan it holds now, and an event recorded after its last ``plan()``."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.holds: FlashInferPlan | None = None
+        self.planned: torch.cuda.Event | None = None
+        self.plan_info: tuple[int, ...] | None = None  # graph wrappers: the schedule their graphs baked in
+
+
+@dataclass(eq=False)  # identity: "is this the plan the wrapper holds?"
+class FlashInferPlan:
+    """What ``forward`` needs: the wrapper's slot, the device page layout the cache write reads, and the
+    ``plan()`` arguments to re-plan with (none for a graph plan, whose wrapper ``for_cuda_graph`` re-plans)."""
+
+    slot: _Slot
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    args: tuple = ()
+    kwargs: dict | None = None
+    graph: bool = False
+
+
+@dataclass(eq=False)
+class _Graph:
+    """A capture size: its fixed plan (graph wrapper + buffers) and the last step planned on it."""
+
+    plan: FlashInferPlan
+    last: tuple[weakref.ref, AttentionMetadata] | None = None
+
+
+class FlashInferBackend:
+    """FlashInfer paged attention; see the module docstring. Constructing it imports flashinfer."""
+
+    name = "flashinfer"
+
+    def __init__(self, config: ModelConfig, device: torch.device | str) -> None:
+        import flashinfer
+
+        self._fi = flashinfer
+        self.num_heads = config.num_heads
+        self.scale = config.head_dim ** -0.5
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._cuda = self.workspace.is_cuda  # False only under a CPU stand-in for flashinfer (tests)
+        self._decode = _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                           use_tensor_cores=True))
+        self._prefill = _Slot(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
+        self._graphs: dict[int, _Graph] = {}
+        self.replans = 0
+        try:  # private helper, so best effort: without it the first run() must not be a capture
+            from flashinfer.utils import _get_cache_alibi_slopes_buf
+
+            _get_cache_alibi_slopes_buf(config.num_heads, self.workspace.device)
+        except (ImportError, AttributeError, TypeError):
+            pass
+
+    # -- planning (host, once per step) -----------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> None:
+        cache, layout = meta.cache, _layout(meta)
+        dev, cpu = _page_layout(layout, cache.device)
+        meta.batch_indices, meta.append_positions = dev["batch_indices"], dev["append_positions"]
+        slot = self._decode if meta.is_decode else self._prefill
+        head = () if meta.is_decode else (cpu["qo_indptr"],)
+        args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
+        kwargs = self._options(cache) if meta.is_decode else {**self._options(cache), "causal": True}
+        plan = FlashInferPlan(slot, dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], args, kwargs)
+        self._plan_on(slot, plan.args, plan.kwargs)
+        slot.holds = meta.plan = plan
+
+    def _shape(self, cache: KVCache) -> tuple[int, int, int, int]:
+        return self.num_heads, cache.num_kv_heads, cache.head_dim, cache.page_size
+
+    def _options(self, cache: KVCache) -> dict[str, Any]:
+        return {"q_data_type": cache.dtype, "kv_data_type": cache.dtype, "sm_scale": self.scale}
+
+    def _plan_on(self, slot: _Slot, args: tuple, kwargs: dict) -> None:
+        # plan() rewrites the wrapper's pinned host buffer and copies it to the GPU asynchronously: if the copy of
+        # the previous plan has not run yet (host a step ahead), overwriting it would corrupt that step.
+        if slot.planned is not None and not slot.planned.query():
+            slot.planned.synchronize()
+        slot.wrapper.plan(*args, **kwargs)
+        if self._cuda:
+            if slot.planned is None:
+                slot.planned = torch.cuda.Event()
+            slot.planned.record()
+
+    def _capturing(self) -> bool:
+        return self._cuda and torch.cuda.is_current_stream_capturing()
+
+    def _replan(self, plan: FlashInferPlan) -> None:
+        if self._capturing():
+            raise RuntimeError(
+                "flashinfer attention: this step's plan was replaced by a later step's (metadata built ahead) "
+                "and FlashInfer cannot re-plan during CUDA graph capture. Build each step's metadata right "
+                "before running it."
+            )
+        self._plan_on(plan.slot, plan.args, plan.kwargs)
+        plan.slot.holds = plan
+        self.replans += 1
+
+    # -- CUDA graphs (mode="full", pure decode steps) ---------------------------------------------------
+    def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        n = meta.num_tokens
+        if n > size:
+            raise ValueError(f"a decode step of {n} sequences does not fit a CUDA graph of size {size}")
+        graph = self._graphs.get(size) or self._new_graph(meta.cache, size)
+        if graph.last is not None and graph.last[0]() is meta:
+            return graph.last[1]  # this step is what the size's wrapper holds already (capture, then replay)
+        cache, layout = meta.cache, _layout(meta)
+        pad = size - n
+        # Pad rows: one scratch page each, written at position 0 by their own batch row, never a real page.
+        padded = BatchLayout(
+            seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(1,) * size,
+            kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
+            page_size=layout.page_size,
+        )
+        dev, cpu = _page_layout(padded, cache.device, append_only=True)
+        args = (cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
+        self._plan_graph(graph.plan.slot, size, args, self._options(cache))
+        view = meta.replace(
+            positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
+            page_table=_pad_rows(meta.page_table, pad), kv_lens=_pad_rows(meta.kv_lens, pad),
+            batch_indices=dev["batch_indices"], append_positions=dev["append_positions"], mask=None,
+            plan=graph.plan,
+        )
+        graph.last = (weakref.ref(meta), view)
+        return view
+
+    def _new_graph(self, cache: KVCache, size: int) -> _Graph:
+        # Buffers whose addresses the graphs bake in: plan() refills them before every replay of this size.
+        zeros = {"dtype": torch.int32, "device": cache.device}
+        indptr, last = torch.zeros(size + 1, **zeros), torch.zeros(size, **zeros)
+        indices = torch.zeros(size * cache.max_pages_per_seq, **zeros)  # every row holds 1..max_pages_per_seq
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
+        )
+        graph = self._graphs[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True))
+        return graph
+
+    def _plan_graph(self, slot: _Slot, size: int, args: tuple, kwargs: dict) -> None:
+        if self._capturing():
+            raise RuntimeError("flashinfer attention: for_cuda_graph must run before a capture, not during one")
+        self._plan_on(slot, args, kwargs)
+        info = _plan_info(slot.wrapper)
+        if slot.plan_info is None:
+            slot.plan_info = info
+        elif info != slot.plan_info:
+            raise RuntimeError(
+                f"flashinfer attention: the decode schedule (plan_info) of CUDA graph size {size} changed "
+                f"({slot.plan_info} -> {info}); graphs captured with the old one would replay it. This "
+                f"FlashInfer ({getattr(self._fi, '__version__', '?')}) plans CUDA graphs differently from 0.5.3: "
+                "use mode='piecewise' for decode."
+            )
+
+    # -- the op (inside the split op, per layer) --------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+                meta: AttentionMetadata) -> None:
+        cache, plan = meta.cache, meta.plan
+        if q.dtype != cache.dtype:
+            raise ValueError(f"flashinfer attention: q is {q.dtype} but the KV cache is {cache.dtype}; FlashInfer "
+                             f"plans one dtype for both: build the cache with dtype={q.dtype}")
+        if not isinstance(plan, FlashInferPlan):
+            raise TypeError("flashinfer attention: the metadata was not planned by a flashinfer backend (built "
+                             "for another cache?); build it with AttentionMetadata.for_batch on this cache")
+        if not plan.graph and plan.slot.holds is not plan:
+            self._replan(plan)
+        kc, vc = cache.k[layer], cache.v[layer]
+        self._fi.append_paged_kv_cache(
+            k.to(kc.dtype).contiguous(), v.to(vc.dtype).contiguous(), meta.batch_indices, meta.append_positions,
+            (kc, vc), plan.kv_indices, plan.kv_indptr, plan.kv_last_page_len, kv_layout="NHD",
+        )
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        plan.slot.wrapper.run(q.contiguous(), (kc, vc), out=target)
+        if target is not out:
+            out.copy_(target)
+
+
+def _layout(meta: AttentionMetadata) -> BatchLayout:
+    if meta.layout is None:
+        raise ValueError("flashinfer attention needs the step's BatchLayout (meta.layout): build the metadata "
+                         "with AttentionMetadata.for_batch / for_decode / dummy")
+    return meta.layout
+
+
+def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = False
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """FlashInfer's page layout of ``layout``: int32 device tensors (the cache write's, in one packed copy)
+    and int32 CPU tensors (what ``plan()`` reads on the host). ``append_only``: no device indptr/last_page_len
+    (a graph's live in its wrapper's fixed buffers)."""
+    ps = layout.page_size
+    qo_indptr, kv_indptr, indices, last, batch, positions = [0], [0], [], [], [], []
+    for b, (new, kv, pages) in enumerate(zip(layout.num_new, layout.kv_lens, layout.pages)):
+        used = pages_for(kv, ps)  # a table may hold pages reserved for later tokens; FlashInfer must not see them
+        indices += pages[:used]
+        qo_indptr.append(qo_indptr[-1] + new)
+        kv_indptr.append(kv_indptr[-1] + used)
+        last.append(kv - (used - 1) * ps)
+        batch += [b] * new
+        positions += range(kv - new, kv)
+    host = {"batch_indices": batch, "append_positions": positions, "kv_indices": indices}
+    if not append_only:
+        host.update(kv_indptr=kv_indptr, kv_last_page_len=last)
+    cpu = torch.tensor([*qo_indptr, *kv_indptr, *last], dtype=torch.int32)
+    b1 = len(qo_indptr)
+    views = {"qo_indptr": cpu[:b1], "kv_indptr": cpu[b1:2 * b1], "kv_last_page_len": cpu[2 * b1:]}
+    return to_device(host, device, dtype=torch.int32), views
+
+
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` with ``pad`` zero rows appended (dim 0); ``t`` itself when there are none."""
+    if pad == 0:
+        return t
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+
+
+def _plan_info(wrapper: Any) -> tuple[int, ...] | None:
+    info = getattr(wrapper, "_plan_info", None)  # private; None (no check) if a release drops or renames it
+    try:
+        return tuple(int(x) for x in info)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,138 @@
+"""The FlashInfer backend's own logic on CPU: page layout, cache writes, padding for full graphs, stale plans.
+
+FlashInfer itself needs a GPU, so these tests swap in ``fakes/fake_flashinfer.py`` (FlashInfer 0.5.3's
+signatures, its documented CSR semantics, loops in float32) and compare the backend with the torch backend, an
+independent implementation, in float32. Whether the real kernels match is the GPU suite's job
+(tests/gpu/test_attention_gpu.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import piecegraph
+from piecegraph.context import forward_context
+from piecegraph.models import TINY, AttentionMetadata, Decoder, KVCache, generate
+
+CFG = TINY.replace(num_heads=6, num_kv_heads=2, head_dim=8)
+FAKE = Path(__file__).parent / "fakes" / "fake_flashinfer.py"
+
+
+@pytest.fixture(autouse=True)
+def fake_flashinfer(monkeypatch):
+    spec = importlib.util.spec_from_file_location("flashinfer", FAKE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    return module
+
+
+def _caches(num_pages=120, page_size=4, seed=0, config=CFG, max_seq_len=64):
+    """A torch-backend cache and a FlashInfer-backend one with equal contents and equally shuffled pages."""
+    from piecegraph.models.backends.flashinfer import FlashInferBackend
+
+    caches = []
+    for _ in range(2):
+        cache = KVCache(config, num_pages, page_size, max_seq_len=max_seq_len, backend="torch")
+        random.Random(seed).shuffle(cache._free)
+        gen = torch.Generator().manual_seed(seed)
+        for k, v in zip(cache.k, cache.v):
+            k.normal_(generator=gen)
+            v.normal_(generator=gen)
+        caches.append(cache)
+    caches[1].backend = FlashInferBackend(config, "cpu")
+    return caches
+
+
+def _op(cache, meta, q, k, v, layer=0, pad=0):
+    rows = meta.num_tokens + pad
+    out = torch.full((rows, q.shape[1]), float("nan"))
+    pad_rows = [torch.cat([x, torch.randn(pad, x.shape[1])]) for x in (q, k, v)]
+    with forward_context(meta):
+        torch.ops.piecegraph_models.attention(*pad_rows, out, layer)
+    assert (out[meta.num_tokens:] == 0).all()
+    return out[: meta.num_tokens]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@settings(max_examples=15, deadline=None)
+@given(steps=st.lists(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 7)), min_size=1, max_size=5),
+                      min_size=1, max_size=3),
+       page_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 999), pad=st.integers(0, 2))
+def test_flashinfer_backend_equals_torch_backend_over_mixed_steps(steps, page_size, seed, pad):
+    caches, lengths = _caches(page_size=page_size, seed=seed), {}
+    gen = torch.Generator().manual_seed(seed)
+    for step in steps:
+        seqs, seen = [], set()
+        for seq, new in step:
+            if seq not in seen and lengths.get(seq, 0) + new <= 64:
+                seen.add(seq)
+                seqs.append((seq, lengths.get(seq, 0), new))
+        n = sum(new for _, _, new in seqs)
+        q, k, v = (torch.randn(n, h * CFG.head_dim, generator=gen) for h in (6, 2, 2))
+        ref, got = (_op(c, AttentionMetadata.for_batch(c, seqs), q, k, v, pad=pad) for c in caches)
+        assert _rel(got, ref) < 1e-5
+        for seq, cached, new in seqs:
+            lengths[seq] = cached + new
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a[1:], b[1:])  # the same slots written, the same values; page 0 is scratch
+
+
+def test_full_graph_decode_pads_onto_the_scratch_page_and_equals_torch():
+    """Emulated full graphs of size 8 for 3 sequences: pad rows must write and read only the scratch page."""
+    model = Decoder.random(CFG, seed=1)
+    outs = []
+    for cache in _caches(seed=2):
+        AttentionMetadata.for_batch(cache, [(i, 0, 5 + i) for i in range(3)])
+        graphed = piecegraph.compile(model, mode="full", compiler="eager", capture_sizes=(8,), emulate_graphs=True)
+        for step in range(3):
+            meta = AttentionMetadata.for_decode(cache, [(i, 5 + i + step) for i in range(3)])
+            with forward_context(meta), torch.no_grad():
+                outs.append((cache, graphed(torch.tensor([3, 1, 4]), meta.positions)))
+        assert graphed.stats()["replays"] == 2
+    torch_outs, fi_outs = outs[:3], outs[3:]
+    for (_, a), (_, b) in zip(torch_outs, fi_outs):
+        assert _rel(b, a) < 1e-5
+    for a, b in zip(torch_outs[0][0].k, fi_outs[0][0].k):  # later layers' k carry rounding of earlier ones
+        assert _rel(b[1:], a[1:]) < 1e-6
+
+
+def test_greedy_generation_with_flashinfer_graphs_equals_torch_eager():
+    model = Decoder.random(CFG, seed=4)
+    prompts = [[5, 6, 7, 8, 9], [1, 2], [40, 41, 42]]
+    torch_cache, fi_cache = _caches(seed=5)
+    expected = generate(model, prompts, 10, cache=torch_cache)
+    prefill = piecegraph.compile(model, mode="piecewise", compiler="eager", max_tokens=16, emulate_graphs=True)
+    decode = piecegraph.compile(model, mode="full", compiler="eager", capture_sizes=(4,), emulate_graphs=True)
+    assert generate(model, prompts, 10, cache=fi_cache, prefill_fn=prefill, decode_fn=decode) == expected
+    assert decode.stats()["replays"] == 8
+
+
+def test_a_stale_plan_is_replanned_not_reused():
+    torch_cache, fi_cache = _caches(seed=6)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, h * CFG.head_dim, generator=gen) for h in (6, 2, 2))
+    want = _op(torch_cache, AttentionMetadata.for_batch(torch_cache, [(0, 0, 4), (1, 0, 3)]), q, k, v)
+    step_a = AttentionMetadata.for_batch(fi_cache, [(0, 0, 4), (1, 0, 3)])
+    AttentionMetadata.for_batch(fi_cache, [(2, 0, 6), (3, 0, 2)])  # replaces the prefill wrapper's plan
+    assert _rel(_op(fi_cache, step_a, q, k, v), want) < 1e-5
+    assert fi_cache.backend.replans == 1
+
+
+def test_forward_refuses_a_dtype_the_cache_was_not_planned_for():
+    _, fi_cache = _caches()
+    meta = AttentionMetadata.for_batch(fi_cache, [(0, 0, 3)])
+    q, k, v = (torch.randn(3, h * CFG.head_dim, dtype=torch.float64) for h in (6, 2, 2))
+    with forward_context(meta), pytest.raises(ValueError, match="q is torch.float64 but the KV cache is torch.float32"):
+        torch.ops.piecegraph_models.attention(q, k, v, torch.empty_like(q), 0)
