@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run on a CUDA machine: the GPU-marked tests, the opaque-op overhead, the doctor on a FlashInfer model, then the
 # benchmark sweep (scripts/gpu_bench.sh). Logs and JSON go under OUTDIR.
-# Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead doctor bench" by default: pick a subset to split
-# the work over several calls). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
+# Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench" by default: pick a
+# subset to split the work over several calls). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
 # installed first, for machines without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
 # again with xz, because its wheel is too big to carry) then also gets the parts asked for among tests (only
@@ -16,7 +16,7 @@ OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PIECEGRAPH_OUT="$OUT"
-PARTS=${PARTS:-"tests overhead doctor bench"}
+PARTS=${PARTS:-"tests overhead attention-cost doctor bench"}
 shopt -s nullglob
 wheels=(.whl/*.whl)
 if [ ${#wheels[@]} -gt 0 ]; then
@@ -45,6 +45,9 @@ timed_parts() {  # alone on the GPU: the overhead is timed, the doctor's run tim
   local suffix=$1  # "" for the FlashInfer of .whl/, "_<name>" for a newer one
   if has overhead; then
     python3 scripts/opaque_overhead.py --profile 2>&1 | tee "$OUT/opaque_overhead$suffix.json"
+  fi
+  if has attention-cost; then
+    python3 scripts/attention_cost.py --out "$OUT/attention_cost$suffix.json" 2>&1 | tail -40
   fi
   if has doctor && [ -f scripts/doctor_flashinfer.py ]; then
     python3 -m piecegraph.cli doctor scripts/doctor_flashinfer.py:target --device cuda \

@@ -57,7 +57,7 @@ def _profile_spec(text: str | None) -> tuple[str, int] | None:
 def bench(
     model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
     modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,breakable,"
-                              "torch.compile,reduce-overhead,graph-partition,meta-pcg,none "
+                              "torch.compile,reduce-overhead,graph-partition,baked-graph,meta-pcg,none "
                               "(auto: all on GPU, eager,none on CPU)"),
     batches: str = typer.Option("1,10,256,1024", help="decode batch sizes (sequences per step)"),
     prefill: str = typer.Option("16,128,512,2048", help="packed prefill token totals, mixed lengths ('' for none)"),

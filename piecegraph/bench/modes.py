@@ -11,6 +11,7 @@
 | torch.compile | ``torch.compile(model)``, default mode |
 | reduce-overhead | ``torch.compile(model, mode="reduce-overhead")``: Inductor's CUDA graph trees |
 | graph-partition | reduce-overhead with Inductor graph partition cut at the attention op (PyTorch's piecewise) |
+| baked-graph | ``torch.compile(model)`` captured whole per case, layout and plan baked in: piecewise's lower bound |
 | meta-pcg | Meta's ``piecewise_cuda_graphs`` with attention as ``@no_graph`` (when installed) |
 
 ``reduce-overhead`` runs with this torch's Inductor defaults (recorded as ``env.inductor_graph_partition``):
@@ -30,14 +31,17 @@ import torch
 
 import piecegraph
 from piecegraph.bench import meta_pcg
+from piecegraph.bench.baked import NOTE as BAKED_NOTE
+from piecegraph.bench.baked import BakedGraph
 from piecegraph.bench.harness import sync
 
 # Slowest to compile last: a sweep cut short by a time limit loses the baselines, not piecegraph's modes.
 GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "breakable", "meta-pcg", "torch.compile", "reduce-overhead",
-             "graph-partition")
+             "graph-partition", "baked-graph")
 CPU_MODES = ("eager", "none")
 KNOWN_MODES = GPU_MODES + ("none",)
-_GRAPHED = ("full", "full-compiled", "piecewise", "breakable", "meta-pcg", "reduce-overhead", "graph-partition")
+_GRAPHED = ("full", "full-compiled", "piecewise", "breakable", "meta-pcg", "reduce-overhead", "graph-partition",
+            "baked-graph")
 
 FULL_PREFILL = ("a full graph captures pure decode steps only (token-aligned metadata); a varlen prefill's layout "
                 "is host metadata, so it needs piecewise (piecegraph rejects it)")
@@ -170,6 +174,9 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
                         prefill_note=REDUCE_OVERHEAD_PREFILL, decode_note=REDUCE_OVERHEAD_DECODE)
     if name == "graph-partition":
         return _graph_partition(model)
+    if name == "baked-graph":
+        baked = BakedGraph(model)
+        return Prepared(name, baked, stats=baked.stats, warm_calls=1, prefill_note=BAKED_NOTE, decode_note=BAKED_NOTE)
     if name == "meta-pcg":
         runner = meta_pcg.MetaPiecewise(model, every)
         sync()

@@ -95,6 +95,24 @@ def _profiled_counts(fn: Any, args: tuple[Any, ...], steps: int) -> dict[str, fl
         "kernels_per_split": launches_in_split / calls,
         "eager_kernels_outside_split_per_step": (len(launches) - launches_in_split) / steps,
         "graph_launches_per_step": sum(1 for e in events if e.name == "cudaGraphLaunch") / steps,
+        **_kernel_summary(events, steps),
+    }
+
+
+def _kernel_summary(events: list[Any], steps: int, top: int = 6) -> dict[str, Any]:
+    """GPU kernels per step (graph replays included: CUPTI traces the kernels a graph launches), their summed
+    ms, and the ``top`` kernel names by time: what a step spends its device time on."""
+    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    ranked = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    return {
+        "gpu_kernels_per_step": len(kernels) / steps,
+        "gpu_kernel_ms_per_step": sum(by_name.values()) / 1e3 / steps,
+        "top_kernels_ms_per_step": {name[:80]: round(us / 1e3 / steps, 4) for name, us in ranked},
     }
 
 
