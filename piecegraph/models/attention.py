@@ -23,12 +23,15 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         raise ValueError(f"attention metadata covers {n} tokens but the model was called with only {total}")
     if not 0 <= layer < len(cache.k):
         raise ValueError(f"attention layer {layer} is out of range: the KV cache has {len(cache.k)} layers")
+    if n < total:  # a padded bucket: the backend sees only the real rows (slicing costs ~1.5 us a tensor)
+        q, k, v, rows = q[:n], k[:n], v[:n], out[:n]
+    else:
+        rows = out
     # reshape, not view: a compiler may hand us non-contiguous strides
-    qn = q[:n].reshape(n, -1, dim)
-    kn = k[:n].reshape(n, cache.num_kv_heads, dim)
-    vn = v[:n].reshape(n, cache.num_kv_heads, dim)
-    target = out[:n].view(n, -1, dim)
-    cache.backend.forward(qn, kn, vn, target, layer, meta)
+    heads_kv = cache.num_kv_heads
+    target = rows.view(n, -1, dim)
+    cache.backend.forward(q.reshape(n, -1, dim), k.reshape(n, heads_kv, dim), v.reshape(n, heads_kv, dim), target,
+                          layer, meta)
     if total > n:
         out[n:].zero_()  # pad rows: zeros, never garbage that could leak into later pieces
 
