@@ -12,7 +12,8 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter("--device cuda, but torch sees no CUDA device; use --device cpu", param_hint="--device")
+        raise typer.BadParameter("--device cuda, but torch sees no CUDA device; use --device cpu",
+                                 param_hint="--device")
     return device
 
 
@@ -22,7 +23,8 @@ def resolve_attention(attention: str, device: str) -> str:
     from piecegraph.models.backends import flashinfer_available
 
     if attention not in ATTENTION_BACKENDS:
-        raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}", param_hint="--attention")
+        raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}",
+                                 param_hint="--attention")
     reason = flashinfer_available(torch.device(device))
     if attention == "flashinfer" and reason:
         raise typer.BadParameter(f"flashinfer cannot run here: {reason}", param_hint="--attention")

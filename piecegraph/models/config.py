@@ -60,7 +60,8 @@ class ModelConfig:
                 f"ModelConfig.num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"ModelConfig.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(f"ModelConfig.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
 

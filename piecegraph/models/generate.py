@@ -7,10 +7,10 @@ from typing import Callable, Sequence
 import torch
 
 from piecegraph.context import forward_context
-from piecegraph.models.kv_cache import KVCache
-from piecegraph.models.metadata import AttentionMetadata
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
+from piecegraph.models.kv_cache import KVCache
+from piecegraph.models.metadata import AttentionMetadata
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,8 +72,8 @@ def dummy_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n: int
                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
     """``((input_ids, positions), meta)`` of ``n`` pad tokens (all zeros) for warm-up and capture.
 
-    A pure decode step: running the model on them only touches the cache's scratch page. ``model_or_config`` checks that the cache
-    was built for this model's shape.
+    A pure decode step: running the model on them only touches the cache's scratch page. ``model_or_config``
+    checks that the cache was built for this model's shape.
     """
     config = model_or_config if isinstance(model_or_config, ModelConfig) else model_or_config.config
     if (config.num_layers, config.num_kv_heads, config.head_dim) != (

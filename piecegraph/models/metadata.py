@@ -135,7 +135,8 @@ class AttentionMetadata:
         host = {"positions": layout.token_positions(), "slot_mapping": layout.token_slots()}
         if layout.is_decode:
             width = cache.max_pages_per_seq
-            host["page_table"] = [p for pages in layout.pages for p in (*pages, *(SCRATCH_PAGE,) * (width - len(pages)))]
+            pad = (SCRATCH_PAGE,)
+            host["page_table"] = [p for pages in layout.pages for p in (*pages, *pad * (width - len(pages)))]
             host["kv_lens"] = list(layout.kv_lens)
         dev = to_device(host, cache.device)
         if layout.is_decode:

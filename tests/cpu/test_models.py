@@ -11,7 +11,15 @@ from safetensors.torch import load_file, save_file
 
 from piecegraph.context import forward_context
 from piecegraph.models import (
-    TINY, AttentionMetadata, Decoder, KVCache, ModelConfig, dummy_inputs, generate, load_hf, save_hf,
+    TINY,
+    AttentionMetadata,
+    Decoder,
+    KVCache,
+    ModelConfig,
+    dummy_inputs,
+    generate,
+    load_hf,
+    save_hf,
 )
 
 REL_TOL = 1e-5
