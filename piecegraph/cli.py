@@ -41,8 +41,13 @@ def demo(
     decode = piecegraph.compile(net, mode="full" if graphs else "none", capture_sizes=(len(prompts),))
     longest = max(map(len, prompts)) + steps
 
+    def new_cache():
+        return KVCache.for_sequences(net.config, len(prompts), longest, dtype=dtype, device=device, backend=backend)
+
+    graphed_cache = new_cache()  # one for every graphed run: full graphs bake the cache they captured with
+
     def run(**fns):
-        cache = KVCache.for_sequences(net.config, len(prompts), longest, dtype=dtype, device=device, backend=backend)
+        cache = graphed_cache if fns else new_cache()
         start = time.perf_counter()
         tokens = generate(net, prompts, steps, cache=cache, **fns)
         if graphs:
