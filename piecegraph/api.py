@@ -13,11 +13,11 @@ from .graphed_module import GraphedModule
 def compile(  # noqa: A001 - mirrors torch.compile on purpose
     model: torch.nn.Module,
     *,
-    mode: str = "piecewise",
+    mode: str | None = None,
     split_ops: Iterable[Any] | None = None,
     capture_sizes: Iterable[int] | None = None,
-    max_tokens: int = 512,
-    compiler: str = "inductor",
+    max_tokens: int | None = None,
+    compiler: str | None = None,
     config: Config | None = None,
     **options: Any,
 ) -> GraphedModule:
@@ -35,15 +35,11 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
             hidden = graphed(input_ids, positions)   # traced, compiled and captured for this size
         graphed.stats()  # {'sizes': [8], 'pieces': 25, 'capture_s': {8: 0.4}, ...}
 
-    Pass ``config=Config(...)`` for every option at once; keyword options override its fields.
+    Pass ``config=Config(...)`` for every option at once; a keyword option given explicitly always overrides its
+    field (even when it equals the default), one left out keeps the config's value (``Config``'s defaults:
+    ``mode="piecewise"``, ``max_tokens=512``, ``compiler="inductor"``).
     """
-    base = config or Config()
-    fields = dict(mode=mode, max_tokens=max_tokens, compiler=compiler, **options)
-    if split_ops is not None:
-        fields["split_ops"] = tuple(split_ops)
-    if capture_sizes is not None:
-        fields["capture_sizes"] = tuple(capture_sizes)
-    if config is not None:  # explicit keywords win over the config only where they differ from the defaults
-        defaults = Config()
-        fields = {k: v for k, v in fields.items() if k not in ("mode", "max_tokens", "compiler") or v != getattr(defaults, k)}
-    return GraphedModule(model, base.replace(**fields))
+    given = {"mode": mode, "max_tokens": max_tokens, "compiler": compiler, "split_ops": split_ops,
+             "capture_sizes": capture_sizes}
+    fields = {k: (tuple(v) if k in ("split_ops", "capture_sizes") else v) for k, v in given.items() if v is not None}
+    return GraphedModule(model, (config or Config()).replace(**fields, **options))
