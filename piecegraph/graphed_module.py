@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .compile.backend import build_program
+from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import apply_doctor_fixes, doctor_summary, fallback_warning
 from .ops.prewarm import prewarm
-from .config import Config
 from .runner import FlatRunner
 
 log = logging.getLogger("piecegraph")
@@ -171,7 +171,8 @@ class GraphedModule(torch.nn.Module):
         runner.names = [v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)]
         self._constants = {k: v for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
         self._known_args = frozenset(trace_values)
-        self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names)) if kind == "static"}
+        self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names))
+                              if kind == "static"}
         self._binding = binding
         self._pack = pack
         self._modules_seen = {id(m) for m in self.model.modules()}
@@ -208,7 +209,8 @@ class GraphedModule(torch.nn.Module):
             if not name.startswith("L['model']"):
                 continue
             try:
-                current = eval(name, {"__builtins__": {}}, scope)  # names like L['model']._modules['x']._parameters['w']
+                # names like L['model']._modules['x']._parameters['w']
+                current = eval(name, {"__builtins__": {}}, scope)
             except Exception:
                 continue
             kind, old = self._binding[i]
@@ -216,7 +218,8 @@ class GraphedModule(torch.nn.Module):
                 self._binding[i] = (kind, current)
                 changed.append(name)
         if changed:
-            log.warning("piecegraph: %d parameters/buffers were replaced (%s...); capturing again", len(changed), changed[0])
+            log.warning("piecegraph: %d parameters/buffers were replaced (%s...); capturing again", len(changed),
+                        changed[0])
             for runner in self._runners:
                 runner.drop_graphs()
 
@@ -227,7 +230,8 @@ class GraphedModule(torch.nn.Module):
         for runner in self._runners:
             runner.drop_graphs()
 
-    def capture(self, make_inputs: Callable[[int], tuple[tuple[Any, ...], Any]], sizes: Iterable[int] | None = None) -> dict[int, float]:
+    def capture(self, make_inputs: Callable[[int], tuple[tuple[Any, ...], Any]],
+                sizes: Iterable[int] | None = None) -> dict[int, float]:
         """Capture ``sizes`` (default: all capture sizes), largest first, into the shared pool.
 
         ``make_inputs(n)`` returns ``(args, context)``: the forward's arguments for ``n`` tokens and the forward

@@ -70,6 +70,7 @@ def flashinfer_rows(device, calls, repeats, sync, profile):
     direct call then goes through too)."""
     try:
         import flashinfer
+
         from piecegraph.ops.adapters import flashinfer as adapter
     except ImportError:
         return {}

@@ -201,7 +201,8 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
 
 
 def _static_token_count(example_inputs: list[Any], kinds: list[InputKind], token_dim: int) -> int | None:
-    counts = {x.shape[token_dim] for x, k in zip(example_inputs, kinds) if k is InputKind.TOKENS and x.dim() > token_dim}
+    counts = {x.shape[token_dim] for x, k in zip(example_inputs, kinds)
+              if k is InputKind.TOKENS and x.dim() > token_dim}
     return counts.pop() if len(counts) == 1 else None
 
 

@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..graphs.capture import repair_rng_after_failed_capture
-
 from piecegraph.compile.split import split_graph
 from piecegraph.ops.split import split_op_names
+
+from ..graphs.capture import repair_rng_after_failed_capture
 
 __all__ = ["CaptureFailure", "probe_graph", "probe_model", "count_pieces", "why_capture_fails"]
 

@@ -148,7 +148,8 @@ class BreakableProgram:
     def _capture(self, flat: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.state.emulate:  # no GPU: replay re-runs the whole eager forward on the captured buffers
             outputs = _as_tuple(self.model(*flat))
-            self.captured[self.state.size] = ([_Step(fn=self.model, args=flat, outputs=outputs, copy_outputs=True)], outputs)
+            steps = [_Step(fn=self.model, args=flat, outputs=outputs, copy_outputs=True)]
+            self.captured[self.state.size] = (steps, outputs)
             return outputs
         recorder = _Recorder(self.state)
         token = _RECORDER.set(recorder)

@@ -79,7 +79,8 @@ def _return_schema(tp: Any) -> str:
 
 def hints_of(fn: Callable) -> dict[str, Any]:
     """Resolved type hints (string annotations included); falls back to raw annotations."""
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
+    # A callable object's hints live on its bound __call__ (callable() would only say it has one).
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
     try:
         return typing.get_type_hints(target)
     except Exception:  # unresolvable forward references: use what is there

@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
+from toy import ToyModel
 
 import piecegraph
-from toy import ToyModel
 
 jitlib = pytest.importorskip("jitlib")
 if jitlib.compiler() is None:

@@ -1,4 +1,5 @@
-"""piecegraph doctor on CPU: the catalogue (one target per category), the CLI, JSON schema, --fix, the reference model."""
+"""piecegraph doctor on CPU: the catalogue (one target per category), the CLI, JSON schema, --fix, the reference
+model."""
 
 import json
 import os

@@ -4,12 +4,13 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from toy import GateModel, ToyModel
 
 import piecegraph
 from piecegraph.compile.split import split_graph
 from piecegraph.ops.split import split_op_names
-from toy import GateModel, ToyModel
 
 SIZES = (2, 4, 8)
 

@@ -215,8 +215,9 @@ class JitAndSplit(torch.nn.Module):
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_opaque_jit_kernel_inside_piecegraph_compile_with_a_split_op(compiler):
-    import piecegraph
     import toy  # noqa: F401 - registers the split op pg_toy::mix
+
+    import piecegraph
 
     model = JitAndSplit().eval()
     graphed = piecegraph.compile(model, compiler=compiler, capture_sizes=(4, 8), emulate_graphs=True)
