@@ -10,12 +10,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .compile.backend import InputKind, Program
 from .config import Config
 from .context import current_forward_context, override_forward_context
-from .graphs.capture import GraphPool, Phase, capture_session, pool_bytes, timed_capture
+from .graphs.capture import GraphPool, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
 from .graphs.verify import verify_size
+from .program import InputKind, Phase, Program
 
 log = logging.getLogger("piecegraph")
 

@@ -1,55 +1,24 @@
-"""The torch.compile backend: split the Dynamo graph at split ops, compile each piece once, wrap for capture."""
+"""The trace stage's program builder: split the Dynamo graph at split ops, compile each piece once, wrap for capture."""
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch._guards import detect_fake_mode
 
 from ..config import Config
-from ..graphs.capture import CaptureState, GraphedPiece
+from ..graphs.capture import GraphedPiece
 from ..ops.split import split_op_names
-from .split import PieceInfo, split_graph
+from ..program import CaptureState, InputKind, PieceInfo, Program
+from .split import split_graph
 
 log = logging.getLogger("piecegraph")
 
 
-class InputKind(enum.Enum):
-    TOKENS = "tokens"  # tensor whose token dim is the symbolic token count: copied into padded static buffers
-    COUNT = "count"  # the symbolic token count itself, passed as an int
-    STATIC = "static"  # parameters, buffers, constants: must keep their address across replays
-
-
 class UnsupportedGraph(RuntimeError):
     """The traced graph has a shape piecegraph cannot bucket (a second dynamic dimension, say)."""
-
-
-@dataclass
-class Program:
-    """A traced graph split into pieces, ready to run at any token count.
-
-    ``call(*flat_inputs)`` runs the split graph: compiled pieces (as :class:`GraphedPiece`) and split ops
-    (eager) in order, and returns the graph's outputs as a tuple. What each piece does (run, capture, replay) is
-    decided by ``state``, which the owning runner sets before every call.
-    """
-
-    call: Callable[..., Any]
-    state: CaptureState
-    pieces: list[GraphedPiece]
-    infos: list[PieceInfo]
-    kinds: list[InputKind]
-    token_outputs: list[bool]
-    dynamic: bool  # False when Dynamo traced a fixed token count: only that size can be captured
-    names: list[str]  # the placeholders' source names, for error messages
-    single_output: bool = False  # breakable programs: the model returned one tensor, not a tuple
-
-    @property
-    def num_pieces(self) -> int:
-        return len(self.pieces)
 
 
 def _fake(node: torch.fx.Node) -> Any:
@@ -204,19 +173,3 @@ def _static_token_count(example_inputs: list[Any], kinds: list[InputKind], token
     counts = {x.shape[token_dim] for x, k in zip(example_inputs, kinds)
               if k is InputKind.TOKENS and x.dim() > token_dim}
     return counts.pop() if len(counts) == 1 else None
-
-
-def piecegraph_backend(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: Any = None
-) -> Callable[..., Any]:
-    """``torch.compile(model, backend="piecegraph", options={...})``: ``options`` are :class:`Config` fields
-    (or ``{"config": Config(...)}``). Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(x, 0)`` or
-    ``dynamic=True``) so one trace serves every size; a static trace captures only its own size.
-    """
-    from ..runner import FlatRunner
-
-    options = dict(options or {})
-    config = options.pop("config", None) or Config()
-    if options:
-        config = config.replace(**options)
-    return FlatRunner(build_program(gm, example_inputs, config), config)

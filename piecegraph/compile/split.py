@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.fx.passes.split_module import split_module
 
 from ..ops.split import node_op_name
-
-
-@dataclass(frozen=True)
-class PieceInfo:
-    """One submodule of the split graph: a compilable piece, or a split op run eagerly."""
-
-    name: str
-    is_split: bool
-    num_ops: int
+from ..program import PieceInfo
 
 
 def split_graph(

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ops.split import op_name
-from .capture import CaptureState, Phase, copy_into, repair_rng_after_failed_capture, weak_alias
+from ..program import CaptureState, InputKind, Phase, Program
+from .capture import copy_into, repair_rng_after_failed_capture, weak_alias
 
 _RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("piecegraph_breakable", default=None)
 
@@ -196,13 +197,12 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
 
 
 def build_breakable_program(model: torch.nn.Module, values: dict[str, Any], config: Any) -> Any:
-    """A :class:`~piecegraph.compile.backend.Program` over the eager ``model`` for ``mode="breakable"``.
+    """A :class:`~piecegraph.program.Program` over the eager ``model`` for ``mode="breakable"``.
 
     ``values`` are one call's arguments by name (bound positionally at every call). Tensors whose dim
     ``config.token_dim`` matches the first tensor's are token inputs; the model runs once here, eagerly, to learn
     which outputs carry the token dimension.
     """
-    from ..compile.backend import InputKind, Program
     from ..ops.split import split_op_names
 
     td = config.token_dim

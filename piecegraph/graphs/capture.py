@@ -9,7 +9,6 @@ reused by the next (smaller) size captured into the same pool, as every size rep
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import time
 import warnings
@@ -20,27 +19,9 @@ from unittest import mock
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..program import CaptureState, Phase
+
 log = logging.getLogger("piecegraph")
-
-
-class Phase(enum.Enum):
-    RUN = "run"  # compiled piece, no graph (mode none, above the largest size, tracing)
-    WARMUP = "warmup"  # eager run of a size before its capture
-    CAPTURE = "capture"  # capture this size, then replay once so the outputs hold real values
-    REPLAY = "replay"
-
-
-@dataclass
-class CaptureState:
-    """What the owning runner tells its pieces about the call in flight; one per runner, never global."""
-
-    phase: Phase = Phase.RUN
-    size: int = 0
-    emulate: bool = False  # replay by re-running on the captured buffers (tests graph semantics on CPU)
-    check_addresses: bool = True
-    pool: Any = None
-    stream: Any = None
-    moved_inputs: int = 0  # replays that had to copy a moved input in
 
 
 @dataclass

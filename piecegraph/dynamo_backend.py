@@ -1,0 +1,27 @@
+"""``torch.compile(model, backend="piecegraph")``: the Dynamo backend entry point (registered through the
+``torch_dynamo_backends`` entry point). It sits above the trace stage and the runner, so neither imports the
+other lazily."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .compile.backend import build_program
+from .config import Config
+from .runner import FlatRunner
+
+
+def piecegraph_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: Any = None
+) -> Callable[..., Any]:
+    """``torch.compile(model, backend="piecegraph", options={...})``: ``options`` are :class:`Config` fields
+    (or ``{"config": Config(...)}``). Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(x, 0)`` or
+    ``dynamic=True``) so one trace serves every size; a static trace captures only its own size.
+    """
+    options = dict(options or {})
+    config = options.pop("config", None) or Config()
+    if options:
+        config = config.replace(**options)
+    return FlatRunner(build_program(gm, example_inputs, config), config)

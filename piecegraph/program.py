@@ -1,0 +1,84 @@
+"""The types every stage shares: a traced program, its inputs, its pieces and their capture state.
+
+This module sits below every stage (trace, graphs, runner) and imports only torch and the standard library, so
+the data flows one way: ``compile/`` builds a :class:`Program`, ``graphs/`` captures and replays its pieces, the
+runner calls it. A breakable program (``graphs/breakable.py``) has the same shape without Dynamo.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+
+class InputKind(enum.Enum):
+    """What a flat input of a program is, which decides how the runner stages it."""
+
+    TOKENS = "tokens"  # tensor whose token dim is the symbolic token count: copied into padded static buffers
+    COUNT = "count"  # the symbolic token count itself, passed as an int
+    STATIC = "static"  # parameters, buffers, constants: must keep their address across replays
+
+
+class Phase(enum.Enum):
+    """What the pieces do on the call in flight; the runner sets it before every call."""
+
+    RUN = "run"  # compiled piece, no graph (mode none, above the largest size, tracing)
+    WARMUP = "warmup"  # eager run of a size before its capture
+    CAPTURE = "capture"  # capture this size, then replay once so the outputs hold real values
+    REPLAY = "replay"
+
+
+@dataclass
+class CaptureState:
+    """What the owning runner tells its pieces about the call in flight; one per program, never global."""
+
+    phase: Phase = Phase.RUN
+    size: int = 0
+    emulate: bool = False  # replay by re-running on the captured buffers (tests graph semantics on CPU)
+    check_addresses: bool = True
+    pool: Any = None
+    stream: Any = None
+    moved_inputs: int = 0  # replays that had to copy a moved input in
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    """One submodule of the split graph: a compilable piece, or a split op run eagerly."""
+
+    name: str
+    is_split: bool
+    num_ops: int
+
+
+class Piece(Protocol):
+    """A piece of a program: called with its inputs, it runs, captures or replays as its ``CaptureState``
+    says; ``drop()`` forgets every captured size."""
+
+    def __call__(self, *args: Any) -> Any: ...
+
+    def drop(self) -> None: ...
+
+
+@dataclass
+class Program:
+    """A traced graph split into pieces, ready to run at any token count.
+
+    ``call(*flat_inputs)`` runs the pieces (captured or replayed per ``state``) and the split ops (eager) in
+    order, and returns the graph's outputs as a tuple. ``state`` is created with the program, and its runner sets
+    it before every call.
+    """
+
+    call: Callable[..., Any]
+    state: CaptureState
+    pieces: list[Piece]
+    infos: list[PieceInfo]
+    kinds: list[InputKind]
+    token_outputs: list[bool]
+    dynamic: bool  # False when Dynamo traced a fixed token count: only that size can be captured
+    names: list[str]  # the placeholders' source names, for error messages
+    single_output: bool = False  # breakable programs: the model returned one tensor, not a tuple
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.pieces)
