@@ -7,6 +7,7 @@ from typing import Any, Iterable
 import torch
 
 from .config import Config
+from .doctor.advisor import DoctorAdvisor
 from .graphed_module import GraphedModule
 
 
@@ -42,4 +43,4 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     given = {"mode": mode, "max_tokens": max_tokens, "compiler": compiler, "split_ops": split_ops,
              "capture_sizes": capture_sizes}
     fields = {k: (tuple(v) if k in ("split_ops", "capture_sizes") else v) for k, v in given.items() if v is not None}
-    return GraphedModule(model, (config or Config()).replace(**fields, **options))
+    return GraphedModule(model, (config or Config()).replace(**fields, **options), advisor=DoctorAdvisor())

@@ -16,7 +16,7 @@ import torch
 from .compile.backend import build_program
 from .config import Config
 from .graphs.breakable import build_breakable_program
-from .graphs.fallback import apply_doctor_fixes, doctor_summary, fallback_warning
+from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .runner import FlatRunner
 
@@ -37,10 +37,11 @@ class GraphedModule(torch.nn.Module):
     parameters are read where they lived at capture (moved ones are detected; see :meth:`recapture`).
     """
 
-    def __init__(self, model: torch.nn.Module, config: Config):
+    def __init__(self, model: torch.nn.Module, config: Config, advisor: Advisor | None = None):
         super().__init__()
         self.model = model
         self.config = config
+        self._advisor = advisor or NoAdvice()  # auto mode's fixes and blocker names (the doctor's, from compile())
         self._signature = inspect.signature(model.forward)
         self._runners: list[FlatRunner] = []
         self._compiled: Callable[..., Any] | None = None
@@ -119,7 +120,7 @@ class GraphedModule(torch.nn.Module):
         fixes: list[str] = []
         summary = ""
         if error is not None:
-            fixes, summary = apply_doctor_fixes(self.model, values)
+            fixes, summary = self._advisor.apply_fixes(self.model, values)
             if fixes:
                 error = self._try_trace(values, config)
                 summary = ""  # the blockers the fixes left are the ones to name
@@ -133,7 +134,7 @@ class GraphedModule(torch.nn.Module):
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
         if not on_cuda:
             self.runner.graphs = False
-        summary = summary or doctor_summary(self.model, values, error)
+        summary = summary or self._advisor.summarize(self.model, values, error)
         warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
 
     def _try_trace(self, values: dict[str, Any], config: Config) -> Exception | None:

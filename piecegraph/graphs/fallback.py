@@ -1,27 +1,33 @@
-"""``mode="auto"``: what to fix when tracing fails, and the one warning that says what was given up."""
+"""``mode="auto"``: who says what to fix when tracing fails, and the one warning that says what was given up.
+
+The engine does not import the doctor: ``GraphedModule`` is handed an :class:`Advisor` (``piecegraph.compile``
+passes the doctor's, ``piecegraph.doctor.advisor.DoctorAdvisor``); without one, auto falls back with the
+error's own line and no fixes.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-log = logging.getLogger("piecegraph")
+from typing import Any, Protocol
 
 
-def apply_doctor_fixes(model: Any, values: dict[str, Any]) -> tuple[list[str], str]:
-    """The doctor's safe fixes (FlashInfer adapter, freeze of warm loaders), applied; and its blocker summary.
+class Advisor(Protocol):
+    """What auto mode asks when Dynamo cannot trace the model."""
 
-    Returns the code of each fix applied and the blockers the doctor found before them ("" if it could not run).
-    """
-    from ..context import current_forward_context
-    from ..doctor.core import apply_safe_fixes
+    def apply_fixes(self, model: Any, values: dict[str, Any]) -> tuple[list[str], str]:
+        """Apply the known safe fixes; return the code of each fix applied and the blockers found before them."""
 
-    try:
-        fixes, lines = apply_safe_fixes(model, (), kwargs=values, context=current_forward_context())
-    except Exception as err:  # the doctor must never hide the fallback itself
-        log.info("piecegraph auto: the doctor could not run: %s", err)
+    def summarize(self, model: Any, values: dict[str, Any], error: BaseException) -> str:
+        """One line naming what blocks tracing (``blocker_summary(error)`` when nothing better is known)."""
+
+
+class NoAdvice:
+    """An advisor that knows no fixes and names only the error."""
+
+    def apply_fixes(self, model: Any, values: dict[str, Any]) -> tuple[list[str], str]:
         return [], ""
-    return fixes, "; ".join(lines)
+
+    def summarize(self, model: Any, values: dict[str, Any], error: BaseException) -> str:
+        return blocker_summary(error)
 
 
 def blocker_summary(error: BaseException) -> str:
@@ -33,19 +39,6 @@ def blocker_summary(error: BaseException) -> str:
         frame = stack[-1]
         where = f" at {frame.filename}:{frame.lineno} ({frame.name})"
     return f"{type(error).__name__}: {message[:200]}{where}"
-
-
-def doctor_summary(model: Any, values: dict[str, Any], error: BaseException) -> str:
-    """The doctor's blockers (package ▸ entry ▸ loader: primitive, with the fix), else the error's own line."""
-    from ..context import current_forward_context
-    from ..doctor.core import blocker_lines
-
-    try:
-        lines = blocker_lines(model, (), kwargs=values, context=current_forward_context(), limit=3)
-    except Exception as err:  # the summary must never hide the fallback itself
-        log.info("piecegraph auto: the doctor could not summarise the blockers: %s", err)
-        lines = []
-    return "; ".join(lines) if lines else blocker_summary(error)
 
 
 def fallback_warning(summary: str, fixes: list[str], fallback: str) -> str:
