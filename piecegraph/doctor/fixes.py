@@ -14,7 +14,6 @@ Only 1-3 are applied by ``--fix``; each application can be undone (:meth:`Applie
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ import torch
 
 from piecegraph.doctor.attribute import Finding
 from piecegraph.doctor.counting import CallCounts, _key_of
+from piecegraph.ops.modules import rebind_everywhere, undo_spots
 
 __all__ = ["Applied", "choose_fixes", "group_findings", "apply_fixes", "derive_fake"]
 
@@ -150,20 +150,8 @@ def _rebind(old: Any, new: Any) -> Callable[[], None]:
 
     Names bound to ``new`` already (a wrapper the user made with ``opaque`` before) are left alone by the undo.
     """
-    spots = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict):
-            spots += [(namespace, attr) for attr, value in list(namespace.items()) if value is old]
-    for namespace, attr in spots:
-        namespace[attr] = new
-
-    def undo() -> None:
-        for namespace, attr in spots:
-            if namespace.get(attr) is new:
-                namespace[attr] = old
-
-    return undo
+    spots = rebind_everywhere({id(old): (old, new)})
+    return lambda: undo_spots(spots)
 
 
 def _apply_one(f: Finding, fix: Fix, applied: Applied) -> None:

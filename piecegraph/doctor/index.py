@@ -7,16 +7,16 @@ and line. Everything here is read-only.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from piecegraph.ops.modules import is_functools_cache
+
 __all__ = ["CodeIndex", "Located"]
 
-_LRU = functools._lru_cache_wrapper
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class CodeIndex:
             else:
                 members = [value]
             for m in members:
-                if type(m) is _LRU and inspect.isfunction(getattr(m, "__wrapped__", None)):
+                if is_functools_cache(m) and inspect.isfunction(getattr(m, "__wrapped__", None)):
                     self._add(m.__wrapped__, m, path)
                 elif inspect.isfunction(m):
                     self._add(m, None, path)

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from piecegraph.ops.modules import LRU, functools_caches, in_package, rebind_everywhere
+
 try:  # runs a callback while Dynamo traces: how a miss surfaces as FrozenCacheMiss rather than a wrapped error
     from torch._dynamo.comptime import comptime as _comptime
 except ImportError:  # pragma: no cover - very old torch
@@ -37,7 +39,6 @@ except ImportError:  # pragma: no cover - very old torch
 __all__ = ["freeze", "freeze_package", "unfreeze", "frozen_functions", "FrozenCacheMiss", "FreezeError"]
 
 log = logging.getLogger(__name__)
-_LRU = functools._lru_cache_wrapper  # the C type of functools.cache / lru_cache wrappers
 _MISSING = object()
 
 
@@ -213,26 +214,13 @@ def _make_frozen(record: _Frozen) -> Callable:
 
 # ---------------------------------------------------------------------------------------------- replacement
 def replace_everywhere(mapping: dict[int, tuple[Any, Any]]) -> int:
-    """In every loaded module, rebind each global that *is* ``old`` to ``new`` (``mapping[id(old)]``).
-
-    Covers the defining module and every ``from x import name`` of it (under any name). Returns the count of
-    rebound names. One pass over ``sys.modules`` for the whole mapping, so freezing a package costs one scan.
-    """
-    count = 0
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
-            pair = mapping.get(id(value))
-            if pair is not None and pair[0] is value:
-                namespace[attr] = pair[1]
-                count += 1
-    return count
+    """In every loaded module, rebind each global that *is* ``old`` to ``new`` (``mapping[id(old)]``); returns the
+    count of rebound names (see :func:`piecegraph.ops.modules.rebind_everywhere`)."""
+    return len(rebind_everywhere(mapping))
 
 
 def _prepare(fn: Callable, calls: Optional[Iterable[Any]], strict: bool) -> _Frozen:
-    if not isinstance(fn, _LRU) or not hasattr(fn, "cache_info"):
+    if not isinstance(fn, LRU) or not hasattr(fn, "cache_info"):
         raise FreezeError(f"freeze: {fn!r} is not a functools.cache / lru_cache function")
     record = _Frozen(name=_qualified(fn), original=fn, strict=strict)
     if calls is None:
@@ -285,22 +273,15 @@ def _register(records: list[_Frozen]) -> None:
     replace_everywhere({id(r.original): (r.original, r.frozen) for r in records})
 
 
-def _in_package(name: str, package: str) -> bool:
-    return name == package or name.startswith(package + ".")
-
-
 def warm_caches(package: Optional[str] = None) -> list[Callable]:
     """The warm functools caches defined in ``package`` (all loaded modules when None), found in module globals."""
-    found: dict[int, Callable] = {}
-    for mod_name, module in list(sys.modules.items()):
-        if package is not None and not _in_package(mod_name, package):
-            continue
-        for value in list(getattr(module, "__dict__", {}).values()):
-            if type(value) is _LRU and id(value) not in found and id(value) not in _FROZEN:
-                owner = getattr(value, "__module__", None) or ""
-                if (package is None or _in_package(owner, package)) and value.cache_info().currsize > 0:
-                    found[id(value)] = value
-    return list(found.values())
+    found = []
+    for value in functools_caches(package):
+        owner = getattr(value, "__module__", None) or ""
+        if id(value) not in _FROZEN and (package is None or in_package(owner, package)) \
+                and value.cache_info().currsize > 0:
+            found.append(value)
+    return found
 
 
 def freeze_package(package: str, *, strict: bool = False, exclude: Iterable[str] = ()) -> list[str]:
@@ -309,7 +290,7 @@ def freeze_package(package: str, *, strict: bool = False, exclude: Iterable[str]
     ``exclude`` holds qualified names (``"pkg.mod.fn"``) or prefixes to leave alone. Caches that cannot be read
     are skipped with a warning. Returns the qualified names frozen now (already frozen ones are not repeated).
     """
-    if not any(_in_package(m, package) for m in sys.modules):
+    if not any(in_package(m, package) for m in sys.modules):
         raise FreezeError(f"freeze_package: {package!r} is not imported; import it and run the model once "
                           f"(piecegraph.prewarm) so that its loaders are warm")
     exclude = tuple(exclude)
@@ -333,7 +314,7 @@ def unfreeze(target: Union[None, str, Callable] = None) -> list[str]:
     """
     records = {id(r): r for r in _FROZEN.values()}.values()
     if isinstance(target, str):
-        records = [r for r in records if _in_package(r.name.rsplit(".", 1)[0], target) or r.name == target]
+        records = [r for r in records if in_package(r.name.rsplit(".", 1)[0], target) or r.name == target]
     elif target is not None:
         rec = getattr(target, "__piecegraph_frozen__", None) or _FROZEN.get(id(target))
         records = [rec] if rec is not None else []

@@ -8,7 +8,6 @@ spinner; anything else gets one summary line through ``logging``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 import time
@@ -18,11 +17,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from piecegraph.ops.freeze import freeze
+from piecegraph.ops.modules import functools_caches
 
 __all__ = ["prewarm", "PrewarmReport", "FilledLoader"]
 
 log = logging.getLogger(__name__)
-_LRU = functools._lru_cache_wrapper
 
 
 @dataclass(frozen=True)
@@ -53,22 +52,13 @@ class PrewarmReport:
 
 
 def _cache_sizes() -> dict[int, tuple[Callable, int]]:
-    """``id -> (cached function, current size)`` for every functools cache in a loaded module's globals.
-
-    One pass over module dicts (a few thousand modules, tens of milliseconds): objects reachable only through
-    classes or closures are not seen, which is the price of keeping this cheap.
-    """
+    """``id -> (cached function, current size)`` for every functools cache in a loaded module's globals."""
     sizes: dict[int, tuple[Callable, int]] = {}
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
+    for value in functools_caches():
+        try:
+            sizes[id(value)] = (value, value.cache_info().currsize)
+        except Exception:  # noqa: BLE001  (a broken wrapper must not stop the report)
             continue
-        for value in list(namespace.values()):
-            if type(value) is _LRU and id(value) not in sizes:  # type(), not isinstance: no __class__ hooks
-                try:
-                    sizes[id(value)] = (value, value.cache_info().currsize)
-                except Exception:  # a broken wrapper must not stop the report
-                    continue
     return sizes
 
 

@@ -1,0 +1,75 @@
+"""Editing loaded modules, in one place: the functools caches in module globals, and rebinding a global
+everywhere it is bound (the defining module and every ``from x import name`` of it).
+
+Used by ``freeze`` (warm caches, rebinding frozen loaders), ``prewarm`` (which caches a run filled), the
+FlashInfer adapter and the doctor's fixes (rebinding, with undo) and the doctor's code index.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+LRU = functools._lru_cache_wrapper  # the C type of functools.cache / lru_cache wrappers
+
+
+def is_functools_cache(value: Any) -> bool:
+    """Whether ``value`` is a ``functools.cache`` / ``lru_cache`` wrapper (``type()``: no ``__class__`` hooks run)."""
+    return type(value) is LRU
+
+
+def in_package(name: str, package: str) -> bool:
+    """Whether module ``name`` is ``package`` or inside it."""
+    return name == package or name.startswith(package + ".")
+
+
+def module_namespaces() -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(module name, its globals)`` of every loaded module that has a dict (a snapshot: safe while importing)."""
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            yield name, namespace
+
+
+def functools_caches(package: str | None = None) -> list[Callable]:
+    """Every functools cache bound in the globals of a loaded module (of ``package`` only, when given), once.
+
+    One pass over module dicts (a few thousand modules, tens of milliseconds): caches reachable only through
+    classes or closures are not seen, which is the price of keeping this cheap.
+    """
+    found: dict[int, Callable] = {}
+    for name, namespace in module_namespaces():
+        if package is not None and not in_package(name, package):
+            continue
+        for value in list(namespace.values()):
+            if is_functools_cache(value):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+Spot = tuple[dict, str, Any, Any]  # (namespace, attribute, old value, new value)
+
+
+def rebind_everywhere(mapping: dict[int, tuple[Any, Any]]) -> list[Spot]:
+    """In every loaded module, rebind each global that *is* ``old`` to ``new`` (``mapping[id(old)]``).
+
+    One pass over ``sys.modules`` for the whole mapping. Returns the spots rebound, so a caller can undo exactly
+    those (:func:`undo_spots`).
+    """
+    spots: list[Spot] = []
+    for _, namespace in module_namespaces():
+        for attr, value in list(namespace.items()):
+            pair = mapping.get(id(value))
+            if pair is not None and pair[0] is value:
+                namespace[attr] = pair[1]
+                spots.append((namespace, attr, pair[0], pair[1]))
+    return spots
+
+
+def undo_spots(spots: list[Spot]) -> None:
+    """Put back the old values of ``spots``, where nobody rebound them since."""
+    for namespace, attr, old, new in spots:
+        if namespace.get(attr) is new:
+            namespace[attr] = old
