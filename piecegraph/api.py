@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import torch
 
 from .config import Config
-from .doctor.advisor import DoctorAdvisor
+from .diagnose.advisor import DoctorAdvisor
 from .graphed_module import GraphedModule
 
 

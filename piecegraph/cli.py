@@ -11,7 +11,7 @@ from rich.table import Table
 
 from piecegraph.bench.command import bench
 from piecegraph.cli_common import load_model, resolve_attention, resolve_device
-from piecegraph.doctor.command import doctor
+from piecegraph.diagnose.command import doctor
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Piecewise CUDA graphs for PyTorch inference.")
 console = Console()

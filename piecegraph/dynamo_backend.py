@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import torch
 
-from .compile.backend import build_program
 from .config import Config
 from .runner import FlatRunner
+from .trace.backend import build_program
 
 
 def piecegraph_backend(

@@ -13,12 +13,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .compile.backend import build_program
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .runner import FlatRunner
+from .trace.backend import build_program
 
 log = logging.getLogger("piecegraph")
 

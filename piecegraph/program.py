@@ -1,7 +1,7 @@
 """The types every stage shares: a traced program, its inputs, its pieces and their capture state.
 
 This module sits below every stage (trace, graphs, runner) and imports only torch and the standard library, so
-the data flows one way: ``compile/`` builds a :class:`Program`, ``graphs/`` captures and replays its pieces, the
+the data flows one way: ``trace/`` builds a :class:`Program`, ``graphs/`` captures and replays its pieces, the
 runner calls it. A breakable program (``graphs/breakable.py``) has the same shape without Dynamo.
 """
 

@@ -71,7 +71,7 @@ def flashinfer_rows(device, calls, repeats, sync, profile):
     try:
         import flashinfer
 
-        from piecegraph.ops.adapters import flashinfer as adapter
+        from piecegraph.adapters import flashinfer as adapter
     except ImportError:
         return {}
     x = torch.randn(8, 1024, device=device, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """``mode="auto"``: who says what to fix when tracing fails, and the one warning that says what was given up.
 
 The engine does not import the doctor: ``GraphedModule`` is handed an :class:`Advisor` (``piecegraph.compile``
-passes the doctor's, ``piecegraph.doctor.advisor.DoctorAdvisor``); without one, auto falls back with the
+passes the doctor's, ``piecegraph.diagnose.advisor.DoctorAdvisor``); without one, auto falls back with the
 error's own line and no fixes.
 """
 

@@ -11,19 +11,14 @@ from typing import Hashable, Iterable
 
 import torch
 
+from piecegraph.models.backends import resolve_backend
 from piecegraph.models.config import ModelConfig
+from piecegraph.models.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
 
-SCRATCH_PAGE = 0  # the page that padded tokens write into; never allocated to a sequence
-DEFAULT_PAGE_SIZE = 16
-
+__all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "pages_for"]
 
 class OutOfPagesError(RuntimeError):
     """The KV cache has too few free pages for a request; nothing was allocated or freed by the failed call."""
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages that hold ``tokens`` tokens."""
-    return -(-tokens // page_size)
 
 
 class KVCache:
@@ -45,8 +40,6 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  max_seq_len: int | None = None, backend: str | None = None) -> None:
-        from piecegraph.models.backends import resolve_backend
-
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")

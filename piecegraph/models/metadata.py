@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import torch
 
-from piecegraph.models.kv_cache import SCRATCH_PAGE, KVCache
+from piecegraph.models.pages import SCRATCH_PAGE
+
+if TYPE_CHECKING:  # the cache holds the backend, which reads this metadata: no runtime import either way
+    from piecegraph.models.kv_cache import KVCache
 
 # Fields a full CUDA graph never reads: per-step host data, used (if at all) before a replay by
 # ``for_cuda_graph``. StaticContext skips them when it checks that a replay's metadata matches its capture.

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import piecegraph
 from piecegraph.cli import app
-from piecegraph.doctor import SCHEMA, validate
+from piecegraph.diagnose import SCHEMA, validate
 from piecegraph.ops.freeze import unfreeze
 
 TARGETS = Path(__file__).resolve().parent / "doctor_targets"
@@ -66,7 +66,7 @@ def test_catalogue_target_is_attributed(name):
 
 
 def test_catalogue_covers_every_category():
-    from piecegraph.doctor.attribute import CATEGORIES
+    from piecegraph.diagnose.attribute import CATEGORIES
 
     categories = {v[0] for v in catalogue.EXPECTED.values()}
 

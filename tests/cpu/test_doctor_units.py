@@ -2,9 +2,9 @@
 
 import torch
 
-from piecegraph.doctor import probe
-from piecegraph.doctor.attribute import categorize, primitive_of
-from piecegraph.doctor.trace import parse_record
+from piecegraph.diagnose import probe
+from piecegraph.diagnose.attribute import categorize, primitive_of
+from piecegraph.diagnose.trace import parse_record
 
 _MESSAGE = '''Graph break in user code at /src/lib/ops.py:12
 Graph Break Reason: Encountered graph break when attempting to trace CALL: a function call, e.g. f(x, y):

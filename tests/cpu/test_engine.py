@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from toy import GateModel, ToyModel
 
 import piecegraph
-from piecegraph.compile.split import split_graph
 from piecegraph.ops.split import split_op_names
+from piecegraph.trace.split import split_graph
 
 SIZES = (2, 4, 8)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from piecegraph.ops.adapters import flashinfer as adapter
+from piecegraph.adapters import flashinfer as adapter
 from piecegraph.ops.freeze import unfreeze
 
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None

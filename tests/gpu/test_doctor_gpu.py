@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import piecegraph
-from piecegraph.doctor.probe import probe_model
+from piecegraph.diagnose.probe import probe_model
 
 pytestmark = pytest.mark.gpu
 
@@ -76,8 +76,8 @@ def test_doctor_reports_capture_findings_and_fails():
     capture = [f for f in report.findings if f.kind == "capture"]
     assert not report.ok and capture, report.json()
     assert capture[0].fix and "synchronize" in capture[0].primitive.lower()
-    assert piecegraph.doctor.__module__ == "piecegraph.doctor.core"
-    from piecegraph.doctor import validate
+    assert piecegraph.doctor.__module__ == "piecegraph.diagnose.core"
+    from piecegraph.diagnose import validate
 
     assert validate(report.json()) == []
 

@@ -11,8 +11,8 @@ pytestmark = [
 ]
 flashinfer = pytest.importorskip("flashinfer")
 
+from piecegraph.adapters import flashinfer as adapter  # noqa: E402
 from piecegraph.ops import opaque, prewarm, unfreeze  # noqa: E402
-from piecegraph.ops.adapters import flashinfer as adapter  # noqa: E402
 
 HIDDEN, INTER = 256, 512
 RESULTS = f"flashinfer_{flashinfer.__version__}.json"  # under $PIECEGRAPH_OUT, for the closing note

@@ -50,14 +50,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from piecegraph.models.config import ModelConfig
-from piecegraph.models.kv_cache import SCRATCH_PAGE, KVCache, pages_for
 from piecegraph.models.metadata import AttentionMetadata, BatchLayout, to_device
+from piecegraph.models.pages import SCRATCH_PAGE, pages_for
+
+if TYPE_CHECKING:
+    from piecegraph.models.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
 

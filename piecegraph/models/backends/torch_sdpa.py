@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from piecegraph.models.config import ModelConfig
-from piecegraph.models.kv_cache import SCRATCH_PAGE
 from piecegraph.models.metadata import AttentionMetadata, BatchLayout, to_device
+from piecegraph.models.pages import SCRATCH_PAGE
 
 
 @dataclass(frozen=True)

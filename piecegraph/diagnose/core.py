@@ -9,13 +9,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from piecegraph.doctor.attribute import Finding, attribute
-from piecegraph.doctor.counting import count_calls
-from piecegraph.doctor.fixes import Applied, Fix, apply_fixes, choose_fixes, group_findings
-from piecegraph.doctor.index import CodeIndex, top_level
-from piecegraph.doctor.probe import CaptureFailure, count_pieces, probe_model
-from piecegraph.doctor.report import Report
-from piecegraph.doctor.trace import TraceResult, run_under, trace
+from piecegraph.diagnose.attribute import Finding, attribute
+from piecegraph.diagnose.counting import count_calls
+from piecegraph.diagnose.fixes import Applied, Fix, apply_fixes, choose_fixes, group_findings
+from piecegraph.diagnose.index import CodeIndex, top_level
+from piecegraph.diagnose.probe import CaptureFailure, count_pieces, probe_model
+from piecegraph.diagnose.report import Report
+from piecegraph.diagnose.trace import TraceResult, run_under, trace
 
 __all__ = ["doctor", "EagerFailure"]
 

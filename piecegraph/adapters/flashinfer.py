@@ -208,7 +208,7 @@ class Installed:
 
 def _import_flashinfer() -> Any:
     if importlib.util.find_spec("flashinfer") is None:
-        raise ImportError(f"piecegraph.ops.adapters.flashinfer needs FlashInfer, which is not installed: {_HINT}")
+        raise ImportError(f"piecegraph.adapters.flashinfer needs FlashInfer, which is not installed: {_HINT}")
     try:
         return importlib.import_module("flashinfer")
     except Exception as err:

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from piecegraph.doctor.attribute import Finding
-from piecegraph.doctor.trace import run_under
+from piecegraph.diagnose.attribute import Finding
+from piecegraph.diagnose.trace import run_under
 
 __all__ = ["CallCounts", "count_calls"]
 

@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from piecegraph.compile.split import split_graph
 from piecegraph.ops.split import split_op_names
+from piecegraph.trace.split import split_graph
 
 from ..graphs.capture import repair_rng_after_failed_capture
 
@@ -190,7 +190,7 @@ def probe_graph(gm: torch.fx.GraphModule, args: list) -> tuple[int, list[Capture
 def probe_model(model: Callable, args: tuple, kwargs: Optional[dict] = None, context: Any = None
                 ) -> tuple[int, list[CaptureFailure]]:
     """Trace ``model`` (breaks allowed), then :func:`probe_graph` every graph on the inputs it really got."""
-    from piecegraph.doctor.trace import run_under
+    from piecegraph.diagnose.trace import run_under
 
     runs: list[tuple[torch.fx.GraphModule, list]] = []
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from piecegraph.doctor.attribute import CATEGORIES, Finding
+from piecegraph.diagnose.attribute import CATEGORIES, Finding
 
 __all__ = ["Report", "SCHEMA", "validate", "render", "to_html"]
 
@@ -104,7 +104,7 @@ class Report:
     seconds: float = 0.0
     error: Optional[str] = None
     before: Optional[dict] = None  # {"graph_breaks": n, "findings": n} of the first trace, when fixes applied
-    applied: Any = None  # piecegraph.doctor.fixes.Applied
+    applied: Any = None  # piecegraph.diagnose.fixes.Applied
 
     @property
     def ok(self) -> bool:

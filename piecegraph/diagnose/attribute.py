@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from piecegraph.doctor.index import CodeIndex, Located, is_stdlib, top_level
-from piecegraph.doctor.trace import BreakRecord, Frame
+from piecegraph.diagnose.index import CodeIndex, Located, is_stdlib, top_level
+from piecegraph.diagnose.trace import BreakRecord, Frame
 
 __all__ = ["CATEGORIES", "Finding", "attribute", "categorize", "primitive_of"]
 

@@ -120,9 +120,9 @@ def doctor(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: where the target put the model)"),
 ) -> None:
     """Name what blocks full-graph tracing or CUDA-graph capture of a model, where it comes from, and the fix."""
-    from piecegraph.doctor.core import EagerFailure
-    from piecegraph.doctor.core import doctor as run_doctor
-    from piecegraph.doctor.report import render, to_html
+    from piecegraph.diagnose.core import EagerFailure
+    from piecegraph.diagnose.core import doctor as run_doctor
+    from piecegraph.diagnose.report import render, to_html
 
     if device not in (None, "cpu", "cuda"):
         raise typer.BadParameter(f"{device!r} is not cpu or cuda", param_hint="--device")

@@ -6,8 +6,8 @@ Stages, one module each: ``trace`` (collect breaks), ``attribute`` (package ▸ 
 ``counting`` (runs per forward), ``fixes`` (fix code, grouping, ``--fix``), ``probe`` (capture), ``report``.
 """
 
-from piecegraph.doctor.attribute import CATEGORIES, Finding
-from piecegraph.doctor.core import doctor
-from piecegraph.doctor.report import SCHEMA, Report, validate
+from piecegraph.diagnose.attribute import CATEGORIES, Finding
+from piecegraph.diagnose.core import doctor
+from piecegraph.diagnose.report import SCHEMA, Report, validate
 
 __all__ = ["doctor", "Report", "Finding", "CATEGORIES", "SCHEMA", "validate"]

@@ -1,7 +1,7 @@
 """Fixes: the code to paste for each finding, grouping by root cause, and ``--fix`` (apply, then trace again).
 
 Choice, from what the finding shows (first that applies):
-  1. a FlashInfer frame: ``piecegraph.ops.adapters.flashinfer.install()`` (opaque ops with checked fakes);
+  1. a FlashInfer frame: ``piecegraph.adapters.flashinfer.install()`` (opaque ops with checked fakes);
   2. a library entry whose fake can be derived safely: ``piecegraph.opaque(entry, fake="like:arg")``. Safely
      means: the entry was called in the eager forward, has the type hints ``opaque`` needs, and running it
      once more on that call's arguments gives tensors shaped, typed and placed like one tensor argument each;
@@ -19,9 +19,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from piecegraph.doctor.attribute import Finding
-from piecegraph.doctor.counting import CallCounts, _key_of
+from piecegraph.diagnose.attribute import Finding
+from piecegraph.diagnose.counting import CallCounts, _key_of
+from piecegraph.ops.freeze import freeze, frozen_functions, unfreeze
 from piecegraph.ops.modules import rebind_everywhere, undo_spots
+from piecegraph.ops.opaque import opaque
 
 __all__ = ["Applied", "choose_fixes", "group_findings", "apply_fixes", "derive_fake"]
 
@@ -155,22 +157,19 @@ def _rebind(old: Any, new: Any) -> Callable[[], None]:
 
 
 def _apply_one(f: Finding, fix: Fix, applied: Applied) -> None:
-    import piecegraph
-    from piecegraph.ops.freeze import frozen_functions
-
     if fix.action == "flashinfer":
-        from piecegraph.ops.adapters import flashinfer
+        from piecegraph.adapters import flashinfer
 
         flashinfer.install()
         applied._undo.append(flashinfer.uninstall)
     elif fix.action == "opaque":
         original = f.entry_fn.fn
-        applied._undo.append(_rebind(original, piecegraph.opaque(original, fake=fix.fake)))
+        applied._undo.append(_rebind(original, opaque(original, fake=fix.fake)))
     elif fix.action == "freeze":
         already = set(map(id, frozen_functions().values()))
-        frozen = piecegraph.freeze(f.loader_fn)
+        frozen = freeze(f.loader_fn)
         if id(frozen) not in already:  # a loader the user froze stays frozen after undo()
-            applied._undo.append(lambda: piecegraph.unfreeze(frozen))
+            applied._undo.append(lambda: unfreeze(frozen))
     applied.codes.append(fix.code)
 
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from piecegraph.context import current_forward_context
-from piecegraph.doctor.core import apply_safe_fixes, blocker_lines
+from piecegraph.diagnose.core import apply_safe_fixes, blocker_lines
 from piecegraph.graphs.fallback import blocker_summary
 
 log = logging.getLogger("piecegraph")
