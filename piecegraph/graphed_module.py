@@ -82,14 +82,17 @@ class GraphedModule(torch.nn.Module):
         else:
             self._trace(values, self.config)
 
-    def _trace(self, values: dict[str, Any], config: Config) -> None:
-        """Trace with Dynamo once, build the program, and bind the call's arguments to the graph's inputs."""
+    def _trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None = None) -> None:
+        """Trace with Dynamo once, build the program, and bind the call's arguments to the graph's inputs.
+
+        ``verify_sizes``: how many captured sizes each runner verifies (default: the config's ``verify``)."""
         trace_values = {k: _trace_copy(v, config.token_dim) for k, v in values.items()}
         examples: list[list[Any]] = []
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            runner = FlatRunner(build_program(gm, example_inputs, config), config)
-            runner.tracing = not examples  # the trace call itself runs the pieces without graphs
+            # The trace call itself runs the pieces without graphs; a recompile's runner captures at once.
+            runner = FlatRunner(build_program(gm, example_inputs, config), config, tracing=not examples,
+                                verify_sizes=verify_sizes)
             examples.append(list(example_inputs))
             self._runners.append(runner)
             return runner
@@ -98,13 +101,13 @@ class GraphedModule(torch.nn.Module):
         model = self.model
         self._compiled = lambda **kw: compiled(model, kw)
         result = self._compiled(**trace_values)
-        self.runner.tracing = False
+        self.runner.end_trace()
         self._bind(examples[0], trace_values, result)
 
-    def _setup_breakable(self, values: dict[str, Any], config: Config) -> None:
+    def _setup_breakable(self, values: dict[str, Any], config: Config, graphs: bool | None = None) -> None:
         """No Dynamo: the eager model, captured in segments cut at split ops (see graphs/breakable.py)."""
         program = build_breakable_program(self.model, values, config)
-        self._runners.append(FlatRunner(program, config))
+        self._runners.append(FlatRunner(program, config, graphs=graphs))
         self._compiled = self.model
         self._binding = [("arg", name) for name in values]
         self._pack = _unpack_single if program.single_output else tuple
@@ -116,30 +119,27 @@ class GraphedModule(torch.nn.Module):
     def _setup_auto(self, values: dict[str, Any]) -> None:
         """Piecewise; else the fixes piecegraph knows, then piecewise again; else breakable (eager on CPU)."""
         config = self.config.replace(mode="piecewise", verify=bool(self.config.verify))
-        error = self._try_trace(values, config)
+        verify_sizes = 1 if self.config.verify is None else None  # auto checks its first capture by default
+        error = self._try_trace(values, config, verify_sizes)
         fixes: list[str] = []
         summary = ""
         if error is not None:
             fixes, summary = self._advisor.apply_fixes(self.model, values)
             if fixes:
-                error = self._try_trace(values, config)
+                error = self._try_trace(values, config, verify_sizes)
                 summary = ""  # the blockers the fixes left are the ones to name
         if error is None:
-            if self.config.verify is None:
-                self.runner.verify_left = 1  # auto checks its first capture by default
             if fixes:
                 log.info("piecegraph auto: piecewise after applying %s", ", ".join(fixes))
             return
-        self._setup_breakable(values, config.replace(mode="breakable"))
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
-        if not on_cuda:
-            self.runner.graphs = False
+        self._setup_breakable(values, config.replace(mode="breakable"), graphs=on_cuda)
         summary = summary or self._advisor.summarize(self.model, values, error)
         warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
 
-    def _try_trace(self, values: dict[str, Any], config: Config) -> Exception | None:
+    def _try_trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None) -> Exception | None:
         try:
-            self._trace(values, config)
+            self._trace(values, config, verify_sizes)
             return None
         except Exception as error:  # Dynamo raises many types; each is a reason to fall back, not to crash
             self._reset()
@@ -169,7 +169,7 @@ class GraphedModule(torch.nn.Module):
         if pack is None:
             log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
             return
-        runner.names = [v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)]
+        runner.label_inputs([v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)])
         self._constants = {k: v for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
         self._known_args = frozenset(trace_values)
         self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names))
@@ -251,14 +251,10 @@ class GraphedModule(torch.nn.Module):
     @contextlib.contextmanager
     def without_graphs(self) -> Iterator[None]:
         """Run the same compiled pieces without graphs inside the block (debugging, references)."""
-        saved = [runner.graphs for runner in self._runners]
-        for runner in self._runners:
-            runner.graphs = False
-        try:
+        with contextlib.ExitStack() as stack:
+            for runner in self._runners:
+                stack.enter_context(runner.graphs_off())
             yield
-        finally:
-            for runner, value in zip(self._runners, saved):
-                runner.graphs = value
 
     def stats(self) -> dict[str, Any]:
         """``sizes``, ``pieces``, ``capture_s`` per size, ``pool_bytes``, ``replays``, ``fallbacks`` and more."""

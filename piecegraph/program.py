@@ -41,6 +41,12 @@ class CaptureState:
     stream: Any = None
     moved_inputs: int = 0  # replays that had to copy a moved input in
 
+    @classmethod
+    def for_config(cls, config: Any) -> "CaptureState":
+        """The state a program starts with under ``config`` (a :class:`piecegraph.Config`): the one place it is
+        made, for traced and breakable programs alike."""
+        return cls(emulate=config.emulate_graphs, check_addresses=config.check_addresses)
+
 
 @dataclass(frozen=True)
 class PieceInfo:

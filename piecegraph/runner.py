@@ -6,7 +6,7 @@ import bisect
 import contextlib
 import logging
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from .config import Config
 from .context import current_forward_context, override_forward_context
 from .graphs.capture import GraphPool, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
-from .graphs.verify import verify_size
+from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs
 from .program import InputKind, Phase, Program
 
 log = logging.getLogger("piecegraph")
@@ -27,15 +27,20 @@ class FlatRunner:
     buffers (allocated once, at the largest size), rows ``n..s`` are zeroed, the size's graphs are captured on
     first use (after ``config.warmup_runs`` eager runs) or replayed, and outputs are cut back to ``n`` rows
     (copied unless ``config.copy_outputs`` is False). Above the largest size the compiled pieces run without
-    graphs, unpadded. ``names`` label the inputs in error messages.
+    graphs, unpadded.
+
+    Built with everything it decides by: ``tracing`` (the first call is the trace itself: no graphs, until
+    :meth:`end_trace`), ``graphs`` (default: the mode captures graphs), ``verify_sizes`` (how many captured sizes
+    to verify, default every one when ``config.verify``, else none) and ``names`` (inputs' labels in errors,
+    refined by :meth:`label_inputs`).
     """
 
-    def __init__(self, program: Program, config: Config, names: Sequence[str] | None = None):
+    def __init__(self, program: Program, config: Config, names: Sequence[str] | None = None, *,
+                 tracing: bool = False, graphs: bool | None = None, verify_sizes: float | None = None):
         self.program = program
         self.config = config
         self.names = list(names or program.names)
         self.state = program.state
-        self.state.emulate = config.emulate_graphs
         self.token_idx = [i for i, k in enumerate(program.kinds) if k is InputKind.TOKENS]
         self.count_idx = [i for i, k in enumerate(program.kinds) if k is InputKind.COUNT]
         self.sizes: tuple[int, ...] = config.sizes if program.dynamic else ()
@@ -43,9 +48,9 @@ class FlatRunner:
         self.capture_s: dict[int, float] = {}
         self.replays = 0
         self.fallbacks = 0
-        self.tracing = False
-        self.graphs = config.mode in ("piecewise", "full", "breakable")
-        self.verify_left = float("inf") if config.verify else 0
+        self.tracing = tracing
+        self.graphs = config.mode in ("piecewise", "full", "breakable") if graphs is None else graphs
+        self.verify_left = (float("inf") if config.verify else 0) if verify_sizes is None else verify_sizes
         self.dropped: dict[int, float] = {}  # sizes whose replay disagreed with the no-graph run
         self.static_context = StaticContext(max(self.sizes, default=1)) if config.mode == "full" else None
         self.last_outputs: tuple[Any, ...] | None = None
@@ -79,7 +84,7 @@ class FlatRunner:
             outputs = self._capture(padded, n, size)
             if self.verify_left > 0:
                 self.verify_left -= 1
-                outputs = verify_size(self, flat, padded, n, size, outputs)
+                outputs = self._verify(flat, n, size)
         return self._finish(outputs, n)
 
     def _run(self, flat: Sequence[Any]) -> Any:
@@ -210,7 +215,53 @@ class FlatRunner:
         self.last_outputs = tuple(result)
         return self.last_outputs
 
+    def _verify(self, flat: Sequence[Any], n: int, size: int) -> Any:
+        """Replay ``size`` on token inputs rolled by one row and compare with the same program without graphs.
+
+        On a mismatch beyond ``config.verify_tol`` the size is dropped (its graphs freed, later calls run without
+        a graph) and a warning names it. Either way the real inputs run last, so side effects (a KV-cache write)
+        hold the real call's values; returns the real call's outputs. Verification replays are not counted.
+        """
+        td = self.config.token_dim
+        replays = self.replays
+        staged = self._stage(rolled_token_inputs(flat, self.token_idx, n, td), n, size)
+        replayed = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(staged, n, size)]
+        error = rel_error(replayed, self._run(staged), n, td, self.program.token_outputs)
+        if error <= self.config.verify_tol:
+            log.info("piecegraph: verified size %d (rel. error %.2e)", size, error)
+            outputs = self._replay(self._stage(flat, n, size), n, size)
+            self.replays = replays
+            return outputs
+        self.replays = replays
+        self.dropped[size] = error
+        self.capture_s.pop(size, None)
+        for piece in self.program.pieces:
+            piece.captured.pop(size, None)
+        warnings.warn(dropped_warning(size, error, self.config.verify_tol), stacklevel=5)
+        return self._run(flat)
+
     # -- management -------------------------------------------------------------------------------------
+    def end_trace(self) -> None:
+        """The trace call is over: later calls capture and replay."""
+        self.tracing = False
+
+    def label_inputs(self, names: Sequence[str]) -> None:
+        """Name the inputs after the caller's arguments (error messages say ``input_ids``, not ``L['x']``)."""
+        self.names = list(names)
+
+    def disable_graphs(self) -> None:
+        """Run the compiled pieces without graphs from now on (no CUDA here, say)."""
+        self.graphs = False
+
+    @contextlib.contextmanager
+    def graphs_off(self) -> Iterator[None]:
+        """Inside the block, the same compiled pieces without graphs (a reference for debugging)."""
+        saved, self.graphs = self.graphs, False
+        try:
+            yield
+        finally:
+            self.graphs = saved
+
     def drop_graphs(self) -> None:
         """Forget every captured size; the next call of each size captures again."""
         for piece in self.program.pieces:

@@ -214,7 +214,7 @@ def build_breakable_program(model: torch.nn.Module, values: dict[str, Any], conf
         InputKind.TOKENS if isinstance(v, torch.Tensor) and v.dim() > td and v.shape[td] == n else InputKind.STATIC
         for v in values.values()
     ]
-    state = CaptureState(check_addresses=config.check_addresses)
+    state = CaptureState.for_config(config)
     program = BreakableProgram(model, state, split_op_names(config.split_ops))
     with torch.no_grad():
         result = model(*values.values())

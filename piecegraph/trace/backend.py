@@ -140,7 +140,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
         fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     num_tokens = None if sym else _static_token_count(example_inputs, kinds, config.token_dim)
-    state = CaptureState(check_addresses=config.check_addresses)
+    state = CaptureState.for_config(config)
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         with fake_mode:
