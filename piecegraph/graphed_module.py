@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 import logging
-import types
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .binding import fresh_entry, packer, trace_copy, unpack_single
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
@@ -22,9 +21,30 @@ from .trace.backend import build_program
 
 log = logging.getLogger("piecegraph")
 
-# The live modules, for the one global hook torch offers on parameter and buffer registration: a re-registered
-# parameter must reach the GraphedModule whose graphs read the old one. Weak: it keeps nothing alive.
-_LIVE: "weakref.WeakSet[GraphedModule]" = weakref.WeakSet()
+
+class _RegistrationWatch:
+    """The live GraphedModules and torch's one global hook on parameter and buffer registration: a re-registered
+    parameter must reach the GraphedModule whose graphs read the old one. Weak: it keeps nothing alive. The hooks
+    are installed when the first GraphedModule is built, not at import."""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet[GraphedModule] = weakref.WeakSet()
+        self.installed = False
+
+    def watch(self, graphed: "GraphedModule") -> None:
+        if not self.installed:
+            torch.nn.modules.module.register_module_parameter_registration_hook(self._on_registration)
+            torch.nn.modules.module.register_module_buffer_registration_hook(self._on_registration)
+            self.installed = True
+        self.live.add(graphed)
+
+    def _on_registration(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        for graphed in list(self.live):
+            if getattr(graphed, "_binding", None) is not None and id(module) in graphed._modules_seen:
+                graphed._stale = True
+
+
+_WATCH = _RegistrationWatch()  # with the op registry, the package's only registries
 
 
 class GraphedModule(torch.nn.Module):
@@ -50,7 +70,7 @@ class GraphedModule(torch.nn.Module):
         self._constants: dict[str, Any] = {}
         self._known_args: frozenset[str] = frozenset()  # every argument name the trace saw
         self._stale = False
-        _LIVE.add(self)
+        _WATCH.watch(self)
 
     @property
     def runner(self) -> FlatRunner:
@@ -86,7 +106,7 @@ class GraphedModule(torch.nn.Module):
         """Trace with Dynamo once, build the program, and bind the call's arguments to the graph's inputs.
 
         ``verify_sizes``: how many captured sizes each runner verifies (default: the config's ``verify``)."""
-        trace_values = {k: _trace_copy(v, config.token_dim) for k, v in values.items()}
+        trace_values = {k: trace_copy(v, config.token_dim) for k, v in values.items()}
         examples: list[list[Any]] = []
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -97,7 +117,7 @@ class GraphedModule(torch.nn.Module):
             self._runners.append(runner)
             return runner
 
-        compiled = torch.compile(_fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+        compiled = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
         model = self.model
         self._compiled = lambda **kw: compiled(model, kw)
         result = self._compiled(**trace_values)
@@ -110,7 +130,7 @@ class GraphedModule(torch.nn.Module):
         self._runners.append(FlatRunner(program, config, graphs=graphs))
         self._compiled = self.model
         self._binding = [("arg", name) for name in values]
-        self._pack = _unpack_single if program.single_output else tuple
+        self._pack = unpack_single if program.single_output else tuple
         self._constants = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
         self._known_args = frozenset(values)
         self._static_names = {}
@@ -165,7 +185,7 @@ class GraphedModule(torch.nn.Module):
             else:
                 log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
                 return
-        pack = _packer(result, runner.last_outputs)
+        pack = packer(result, runner.last_outputs)
         if pack is None:
             log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
             return
@@ -261,63 +281,3 @@ class GraphedModule(torch.nn.Module):
         stats = self.runner.stats()
         stats["recompiles"] = len(self._runners) - 1
         return stats
-
-
-def _entry(model: torch.nn.Module, kwargs: dict[str, Any]) -> Any:
-    return model(**kwargs)
-
-
-_ENTRIES = itertools.count()
-
-
-def _fresh_entry() -> Callable[..., Any]:
-    """A new code object per GraphedModule: Dynamo caches by code object, and we trace each model once, so
-    separate models must not share (and exhaust) one cache entry list."""
-    code = _entry.__code__.replace(co_name=f"piecegraph_entry_{next(_ENTRIES)}")
-    return types.FunctionType(code, _entry.__globals__, code.co_name)
-
-
-def _trace_copy(value: Any, td: int) -> Any:
-    """Mark the token dim dynamic; a call with fewer than 2 tokens is traced on a zero-padded copy."""
-    if not isinstance(value, torch.Tensor) or value.dim() <= td:
-        return value
-    value = value.clone()  # marking dynamic tags the tensor: tag a copy, not the caller's
-    if value.shape[td] < 2:
-        pad_shape = list(value.shape)
-        pad_shape[td] = 2 - value.shape[td]
-        value = torch.cat([value, torch.zeros(pad_shape, dtype=value.dtype, device=value.device)], dim=td)
-    torch._dynamo.mark_dynamic(value, td)
-    return value
-
-
-def _unpack_single(outputs: tuple[Any, ...]) -> Any:
-    return outputs[0]
-
-
-def _packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
-    if outputs is None:
-        return None
-
-    def index(t: Any) -> int | None:
-        return next((i for i, o in enumerate(outputs) if o is t), None)
-
-    if isinstance(result, torch.Tensor):
-        i = index(result)
-        return None if i is None else (lambda outs: outs[i])
-    if isinstance(result, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in result):
-        idx = [index(t) for t in result]
-        if None in idx:
-            return None
-        kind = type(result)
-        return lambda outs: kind(outs[i] for i in idx)
-    return None
-
-
-def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
-    for graphed in list(_LIVE):
-        if getattr(graphed, "_binding", None) is not None and id(module) in graphed._modules_seen:
-            graphed._stale = True
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)

@@ -18,7 +18,7 @@ STAGES = [
     ("adapters", "graphs"),  # library adapters (on ops); capture, replay, static context, breakable capture
     ("trace",),  # Dynamo graph -> split -> compiled pieces (a Program)
     ("runner",),  # buckets, padding, capture and replay of a Program
-    ("graphed_module", "dynamo_backend"),  # the public module and the torch.compile backend
+    ("binding", "graphed_module", "dynamo_backend"),  # GraphedModule, its binding, the Dynamo backend
     ("models",),  # the reference decoder, paged KV cache, attention backends
     ("diagnose",),  # the doctor
     ("api",),  # piecegraph.compile (engine + the doctor's advice)
