@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,20 +80,20 @@ class Config:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r} is not one of {COMPILERS}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive int")
-        if self.warmup_runs < 0:
-            raise ValueError(f"warmup_runs={self.warmup_runs!r} must be >= 0")
-        if self.token_dim < 0:
-            raise ValueError(f"token_dim={self.token_dim!r} must be >= 0 (dims are counted from the front)")
-        object.__setattr__(self, "split_ops", tuple(self.split_ops or ()))
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("warmup_runs", self.warmup_runs, 0)
+        _check_int("token_dim", self.token_dim, 0, "dims are counted from the front")
+        for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise ValueError(f"verify={self.verify!r} must be True, False or None")
+        tol = self.verify_tol
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+            raise ValueError(f"verify_tol={tol!r} must be a finite number >= 0 (a relative error, e.g. 1e-2)")
+        object.__setattr__(self, "split_ops", _split_ops(self.split_ops))
         if self.capture_sizes is not None:
-            sizes = tuple(sorted(set(int(s) for s in self.capture_sizes)))
-            if not sizes or sizes[0] < 1:
-                raise ValueError(
-                    f"capture_sizes={self.capture_sizes!r} must be a non-empty list of positive ints"
-                )
-            object.__setattr__(self, "capture_sizes", sizes)
+            object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
         if self.pool is not None and not hasattr(self.pool, "acquire"):
             raise TypeError(
                 f"pool={self.pool!r} must be a piecegraph.GraphPool (a raw torch.cuda.graph_pool_handle() shares "
@@ -115,9 +116,37 @@ class Config:
         ``mode=none`` or ``compiler=eager`` while debugging, without editing code.
         """
         env: dict[str, Any] = {}
-        if os.environ.get("PIECEGRAPH_MODE"):
-            env["mode"] = os.environ["PIECEGRAPH_MODE"]
-        if os.environ.get("PIECEGRAPH_COMPILER"):
-            env["compiler"] = os.environ["PIECEGRAPH_COMPILER"]
+        for var, name in (("PIECEGRAPH_MODE", "mode"), ("PIECEGRAPH_COMPILER", "compiler")):
+            if os.environ.get(var) and name not in overrides:
+                env[name] = os.environ[var]
+                try:
+                    cls(**{name: env[name]})
+                except ValueError as err:
+                    raise ValueError(f"environment variable {var}={env[name]!r}: {err}") from None
         env.update(overrides)
         return cls(**env)
+
+
+def _check_int(name: str, value: Any, low: int, hint: str = "") -> None:
+    # bool is an int subclass; True as a size is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"{name}={value!r} must be an int >= {low}{extra}")
+
+
+def _capture_sizes(sizes: Any) -> tuple[int, ...]:
+    if isinstance(sizes, (int, str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"capture_sizes={sizes!r} must be a list of positive ints, e.g. capture_sizes=(1, 8, 64)")
+    values = list(sizes)
+    bad = [s for s in values if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if bad or not values:
+        raise ValueError(f"capture_sizes={sizes!r} must be a non-empty list of positive ints (got {bad or 'none'})")
+    return tuple(sorted(set(values)))
+
+
+def _split_ops(ops: Any) -> tuple[Any, ...]:
+    ops = tuple(ops or ())
+    for op in ops:  # op objects are named by piecegraph.ops.split; names must at least have the namespace
+        if isinstance(op, str) and ("::" not in op or not all(op.split("::"))):
+            raise ValueError(f"split_ops entry {op!r} must be written 'namespace::name', e.g. 'mylib::attention'")
+    return ops

@@ -20,6 +20,11 @@ def piecegraph_backend(
     (or ``{"config": Config(...)}``). Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(x, 0)`` or
     ``dynamic=True``) so one trace serves every size; a static trace captures only its own size.
     """
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"torch.compile(..., backend='piecegraph', mode={mode!r}): that mode is Inductor's; piecegraph's mode "
+            "goes in options, e.g. options={'mode': 'piecewise'} (piecewise | full | none | breakable | auto)"
+        )
     options = dict(options or {})
     config = options.pop("config", None) or Config()
     if options:

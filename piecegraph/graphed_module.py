@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -16,6 +17,7 @@ from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
+from .ops.split import split_op_names
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -47,20 +49,35 @@ class _RegistrationWatch:
 _WATCH = _RegistrationWatch()  # with the op registry, the package's only registries
 
 
+class _CallLock:
+    """Serializes calls of one GraphedModule: they share static buffers, graphs and the runner's state.
+
+    Re-entrant (a model whose forward calls itself again does not deadlock); copied or pickled as a new lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+
+    def __reduce__(self) -> tuple:
+        return (_CallLock, ())
+
+
 class GraphedModule(torch.nn.Module):
     """A model traced once by Dynamo, split at its split ops, compiled per piece, replayed as CUDA graphs.
 
-    Inference only: calls run under ``torch.no_grad()``. The first call traces (with the token dimension of
-    every tensor argument marked dynamic), compiles and builds the runner; each capture size is captured on
-    its first use, or all at once with :meth:`capture`. After the trace, calls skip Dynamo: the arguments are
-    bound to the graph's inputs directly, so non-tensor arguments must keep their traced values (checked), and
-    parameters are read where they lived at capture (moved ones are detected; see :meth:`recapture`).
+    Inference only: calls run under ``torch.no_grad()``. Calls from several threads are serialized (one at a
+    time: they share static buffers and graphs), so they are safe but do not run in parallel. The first call
+    traces (with the token dimension of every tensor argument marked dynamic), compiles and builds the runner;
+    each capture size is captured on its first use, or all at once with :meth:`capture`. After the trace, calls
+    skip Dynamo: the arguments are bound to the graph's inputs directly, so non-tensor arguments must keep their
+    traced values (checked), and parameters are read where they lived at capture (moved ones are detected; see
+    :meth:`recapture`).
     """
 
     def __init__(self, model: torch.nn.Module, config: Config, advisor: Advisor | None = None):
         super().__init__()
         self.model = model
         self.config = config
+        self._call_lock = _CallLock()
         self._advisor = advisor or NoAdvice()  # auto mode's fixes and blocker names (the doctor's, from compile())
         self._signature = inspect.signature(model.forward)
         self._runners: list[FlatRunner] = []
@@ -81,7 +98,7 @@ class GraphedModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind(*args, **kwargs)
         values = dict(bound.arguments)
-        with torch.no_grad():
+        with self._call_lock.lock, torch.no_grad():
             if self._compiled is None:
                 self._setup(values)
             if self._binding is None:
@@ -93,6 +110,7 @@ class GraphedModule(torch.nn.Module):
     # -- setup ------------------------------------------------------------------------------------------
     def _setup(self, values: dict[str, Any]) -> None:
         mode = self.config.mode
+        split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
         if self.config.prewarm:
             prewarm(self.model, **values)
         if mode == "breakable":

@@ -189,6 +189,15 @@ class FlatRunner:
 
     def _replay(self, padded: list[Any], n: int, size: int) -> Any:
         meta = current_forward_context()
+        if self.static_context is not None:
+            if size not in self.static_context.captured:
+                meta = None  # captured without a context: the graph reads none, so there is nothing to refill
+            elif meta is None:
+                raise ValueError(
+                    f"mode='full': size {size} was captured with a forward context and is now called without one; "
+                    "the graph would replay the captured metadata. Call it inside "
+                    "`with piecegraph.forward_context(meta):`, or call recapture() to capture it anew."
+                )
         if self.static_context is not None and meta is not None:
             self.static_context.for_replay(meta, n, size)
             meta = self.static_context.captured[size][0]  # what an emulated replay's split ops must read

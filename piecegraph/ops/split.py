@@ -42,8 +42,21 @@ def split_op(op: Any) -> Any:
 
 
 def split_op_names(extra: Iterable[Any] = ()) -> frozenset[str]:
-    """The registered split ops plus ``extra`` (a config's ``split_ops``)."""
-    return frozenset(_SPLIT_OPS) | {op_name(op) for op in extra}
+    """The registered split ops plus ``extra`` (a config's ``split_ops``).
+
+    Raises ``ValueError`` for a name in ``extra`` that is no torch op: a misspelt split op would otherwise split
+    nothing, silently.
+    """
+    names = {op_name(op) for op in extra}
+    for name in sorted(names):
+        namespace, _, op = name.partition("::")
+        try:
+            getattr(getattr(torch.ops, namespace), op)
+        except (AttributeError, RuntimeError):
+            raise ValueError(f"split_ops names {name!r}, which is no registered torch op (torch.ops.{namespace}."
+                             f"{op} does not exist): check the spelling, or import the module that defines it "
+                             "before the first call") from None
+    return frozenset(_SPLIT_OPS) | names
 
 
 def node_op_name(node: torch.fx.Node) -> str | None:

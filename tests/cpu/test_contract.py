@@ -1,0 +1,117 @@
+"""Parts of the correctness contract (never silently wrong): concurrent calls, full graphs and the forward
+context, configuration errors that name the argument, a misspelt split op, Inductor modes on the backend."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import piecegraph
+from piecegraph import Config
+from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).eval()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_concurrent_calls_are_serialized_and_right(mode):
+    model = _mlp()
+    graphed = piecegraph.compile(model, mode=mode, compiler="eager", capture_sizes=(4, 8, 16), emulate_graphs=True)
+    graphed(torch.randn(3, 16))  # trace once before the threads start
+    wrong, errors = [], []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(60):
+            x = torch.randn(int(torch.randint(1, 17, (1,), generator=gen)), 16, generator=gen)
+            try:
+                got = graphed(x)
+            except Exception as exc:  # noqa: BLE001  (a shape error from a race is a failure too)
+                errors.append(repr(exc))
+                continue
+            with torch.no_grad():
+                want = model(x)
+            if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+                wrong.append(x.shape[0])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong and not errors, (wrong, errors[:3])
+
+
+def test_copy_of_a_graphed_module_gets_its_own_lock():
+    import copy
+
+    graphed = piecegraph.compile(_mlp(), mode="none", compiler="eager")
+    clone = copy.deepcopy(graphed)
+    assert clone._call_lock is not graphed._call_lock
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(clone(x), graphed(x))
+
+
+def test_full_graph_captured_with_a_context_refuses_a_call_without_one():
+    model = Decoder.random(TINY, seed=0)
+    graphed = piecegraph.compile(model, mode="full", compiler="eager", capture_sizes=(4,), emulate_graphs=True)
+    cache = KVCache.for_sequences(TINY, 4, 32)
+    graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    (ids, pos), _ = dummy_inputs(model, cache, 4)
+    with pytest.raises(ValueError, match="captured with a forward context and is now called without one"):
+        graphed(ids, pos)
+
+
+def test_full_graph_captured_without_a_context_ignores_one_it_never_read():
+    model = _mlp()
+    graphed = piecegraph.compile(model, mode="full", compiler="eager", capture_sizes=(8,), emulate_graphs=True)
+    x = torch.randn(8, 16)
+    graphed(x)
+    graphed(x)  # captured
+    with piecegraph.forward_context({"unused": torch.zeros(8)}):
+        got = graphed(x)  # was KeyError: 8
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", True), ("max_tokens", 0), ("capture_sizes", [3.7]), ("capture_sizes", ["abc"]),
+    ("capture_sizes", 8), ("capture_sizes", []), ("warmup_runs", "2"), ("verify_tol", math.nan),
+    ("verify_tol", -1.0), ("token_dim", 1.5), ("split_ops", ["attention"]), ("copy_outputs", 1), ("verify", 0),
+])
+def test_bad_config_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        Config(**{field: value})
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 4096), min_size=1, max_size=8))
+def test_capture_sizes_are_kept_sorted_and_unique(sizes):
+    assert Config(capture_sizes=sizes).sizes == tuple(sorted(set(sizes)))
+
+
+def test_from_env_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PIECEGRAPH_MODE", "fastest")
+    with pytest.raises(ValueError, match="PIECEGRAPH_MODE='fastest'"):
+        Config.from_env()
+    assert Config.from_env(mode="none").mode == "none"  # an explicit override wins over the variable
+
+
+def test_a_misspelt_split_op_is_an_error_not_a_silent_no_split():
+    graphed = piecegraph.compile(_mlp(), mode="none", compiler="eager", split_ops=("piecegraph_models::atention",))
+    with pytest.raises(ValueError, match="piecegraph_models::atention.*no registered torch op"):
+        graphed(torch.randn(4, 16))
+
+
+def test_an_inductor_mode_on_the_piecegraph_backend_is_refused():
+    compiled = torch.compile(_mlp(), backend="piecegraph", mode="max-autotune")
+    with pytest.raises(Exception, match="that mode is Inductor's"):
+        compiled(torch.randn(4, 16))
