@@ -12,12 +12,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .binding import fresh_entry, packer, trace_copy, unpack_single
+from .binding import ArgSpec, fresh_entry, packer, trace_copy, unpack_single
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
+from .program import InputKind
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -78,6 +79,8 @@ class GraphedModule(torch.nn.Module):
         self.model = model
         self.config = config
         self._call_lock = _CallLock()
+        self._arg_specs: dict[str, ArgSpec] = {}  # tensor arguments as traced: every call is checked against them
+        self._accepted: set[tuple] = set()
         self._advisor = advisor or NoAdvice()  # auto mode's fixes and blocker names (the doctor's, from compile())
         self._signature = inspect.signature(model.forward)
         self._runners: list[FlatRunner] = []
@@ -215,6 +218,12 @@ class GraphedModule(torch.nn.Module):
         self._binding = binding
         self._pack = pack
         self._modules_seen = {id(m) for m in self.model.modules()}
+        td = self.config.token_dim
+        self._arg_specs = {
+            v: ArgSpec.of(v, trace_values[v], td if runner.program.kinds[i] is InputKind.TOKENS else None)
+            for i, (kind, v) in enumerate(binding) if kind == "arg" and isinstance(trace_values[v], torch.Tensor)
+        }
+        self._accepted: set[tuple] = set()
 
     def _flatten(self, values: dict[str, Any]) -> list[Any]:
         for key, traced in self._constants.items():
@@ -228,7 +237,7 @@ class GraphedModule(torch.nn.Module):
             if kind == "arg":
                 if value not in values:
                     raise TypeError(f"argument {value!r} was given when the model was traced and is missing now")
-                flat.append(values[value])
+                flat.append(self._checked(value, values[value]))
             elif kind == "count":
                 flat.append(0)  # the runner sets the token count
             else:
@@ -237,6 +246,21 @@ class GraphedModule(torch.nn.Module):
             extra = sorted(set(values) - self._known_args)
             raise TypeError(f"arguments {extra} were not given when the model was traced")
         return flat
+
+    def _checked(self, name: str, value: Any) -> Any:
+        """``value`` checked against the traced argument (once per distinct dtype/device/shape), contiguous."""
+        spec = self._arg_specs.get(name)
+        if spec is None:
+            return value
+        if not isinstance(value, torch.Tensor):
+            spec.check(value)
+        key = (name, *spec.key(value))
+        if key not in self._accepted:
+            spec.check(value)
+            self._accepted.add(key)
+        if spec.contiguous and not value.is_contiguous():
+            value = value.contiguous()  # compiled code assumed the traced strides; a copy, never the caller's
+        return value
 
     # -- weights ----------------------------------------------------------------------------------------
     def _refresh_statics(self) -> None:

@@ -115,3 +115,30 @@ def test_an_inductor_mode_on_the_piecegraph_backend_is_refused():
     compiled = torch.compile(_mlp(), backend="piecegraph", mode="max-autotune")
     with pytest.raises(Exception, match="that mode is Inductor's"):
         compiled(torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("mode,n", [("none", 6), ("piecewise", 40)])  # no graphs; above the largest size
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_every_path_checks_inputs_against_the_trace(mode, n, dtype):
+    model = _mlp()
+    graphed = piecegraph.compile(model, mode=mode, compiler="inductor", capture_sizes=(4, 8), emulate_graphs=True)
+    graphed(torch.randn(5, 16))
+    with pytest.raises(ValueError, match=f"input input is {dtype}"):
+        graphed(torch.randn(n, 16).to(dtype))
+    with pytest.raises(ValueError, match="input input has rank 3"):
+        graphed(torch.randn(n, 16, 1))
+    with pytest.raises(ValueError, match=r"input input has shape \(\d+, 17\)"):
+        graphed(torch.randn(n, 17))
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 24), mode=st.sampled_from(["none", "piecewise", "full"]))
+def test_a_strided_input_gives_the_models_answer(n, mode):
+    model = _mlp()
+    graphed = piecegraph.compile(model, mode=mode, compiler="inductor", capture_sizes=(4, 8), emulate_graphs=True)
+    graphed(torch.randn(5, 16))
+    x = torch.randn(16, n).t()  # transposed: same values, other strides
+    before = x.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), model(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, before) and not x.is_contiguous()  # the caller's tensor is untouched
