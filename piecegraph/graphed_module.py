@@ -99,16 +99,34 @@ class GraphedModule(torch.nn.Module):
         return self._runners[-1]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self._signature.bind(*args, **kwargs)
-        values = dict(bound.arguments)
+        values = self._arguments(args, kwargs)
         with self._call_lock.lock, torch.no_grad():
             if self._compiled is None:
-                self._setup(values)
+                try:
+                    self._setup(values)
+                except BaseException:
+                    self._reset()  # a failed setup leaves the module as if it had never been called
+                    raise
             if self._binding is None:
                 return self._compiled(**values)
             if self._stale:
                 self._refresh_statics()
             return self._pack(self.runner(*self._flatten(values)))
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name; a ``**kwargs`` parameter's entries are arguments of their own (the
+        model is called as ``model(**values)``), and ``*args`` is refused: it has no names to bind."""
+        bound = self._signature.bind(*args, **kwargs)
+        values = dict(bound.arguments)
+        for name, param in self._signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in values:
+                values.update(values.pop(name))
+            elif param.kind is inspect.Parameter.VAR_POSITIONAL and values.pop(name, ()):
+                raise TypeError(
+                    f"{type(self.model).__name__}.forward takes *{name}, which piecegraph cannot bind by name; pass "
+                    "those tensors as named arguments (wrap the model in a module whose forward names them)"
+                )
+        return values
 
     # -- setup ------------------------------------------------------------------------------------------
     def _setup(self, values: dict[str, Any]) -> None:
@@ -190,6 +208,7 @@ class GraphedModule(torch.nn.Module):
         self._runners.clear()
         self._compiled = None
         self._binding = None
+        self._arg_specs, self._accepted = {}, set()
 
     def _bind(self, example_inputs: list[Any], trace_values: dict[str, Any], result: Any) -> None:
         """Map the graph's inputs to the call's arguments, so later calls can skip Dynamo's guards."""

@@ -142,3 +142,55 @@ def test_a_strided_input_gives_the_models_answer(n, mode):
     with torch.no_grad():
         torch.testing.assert_close(graphed(x), model(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(x, before) and not x.is_contiguous()  # the caller's tensor is untouched
+
+
+class _FailsOnce(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _mlp()
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("transient failure")
+        return self.inner(x)
+
+
+def test_a_failed_first_call_leaves_the_module_as_if_never_called():
+    model = _FailsOnce()
+    graphed = piecegraph.compile(model, mode="piecewise", compiler="eager", capture_sizes=(8,),
+                                 emulate_graphs=True, prewarm=False)
+    x = torch.randn(6, 16)
+    with pytest.raises(Exception, match="transient failure"):  # noqa: B017  (Dynamo wraps what the model raised)
+        graphed(x)
+    model.fail = False
+    got = graphed(x)  # traces again, from scratch
+    graphed(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model.inner(x))
+    stats = graphed.stats()
+    assert stats["sizes"] == [8] and stats["replays"] == 1 and stats["recompiles"] == 0
+
+
+class _KwargsModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x: torch.Tensor, **options):
+        out = self.inner(x) * options.get("scale", 1.0)
+        return out if options.get("return_dict", True) else (out,)
+
+
+@pytest.mark.parametrize("mode", ["none", "piecewise"])
+def test_kwargs_of_forward_are_arguments_of_their_own(mode):
+    model = _KwargsModel()
+    graphed = piecegraph.compile(model, mode=mode, compiler="eager", capture_sizes=(8,), emulate_graphs=True)
+    x = torch.randn(5, 16)
+    got = graphed(x, scale=2.0, return_dict=False)
+    with torch.no_grad():
+        want = model(x, scale=2.0, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == 1
+    torch.testing.assert_close(got[0], want[0])
+    with pytest.raises(ValueError, match="scale"):  # a non-tensor argument keeps its traced value, checked
+        graphed(x, scale=3.0, return_dict=False)
