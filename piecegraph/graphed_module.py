@@ -166,7 +166,9 @@ class GraphedModule(torch.nn.Module):
     def _setup_breakable(self, values: dict[str, Any], config: Config, graphs: bool | None = None) -> None:
         """No Dynamo: the eager model, captured in segments cut at split ops (see graphs/breakable.py)."""
         program = build_breakable_program(self.model, values, config)
-        self._runners.append(FlatRunner(program, config, graphs=graphs))
+        runner = FlatRunner(program, config, graphs=graphs)
+        runner.stage_caller_statics(range(len(values)))  # every input is the caller's: none is a parameter
+        self._runners.append(runner)
         self._compiled = self.model
         self._binding = [("arg", name) for name in values]
         self._pack = unpack_single if program.single_output else tuple
@@ -230,6 +232,7 @@ class GraphedModule(torch.nn.Module):
             log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
             return
         runner.label_inputs([v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)])
+        runner.stage_caller_statics([i for i, (kind, _) in enumerate(binding) if kind == "arg"])
         self._constants = {k: v for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
         self._known_args = frozenset(trace_values)
         self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names))

@@ -48,6 +48,8 @@ class FlatRunner:
         self.capture_s: dict[int, float] = {}
         self.replays = 0
         self.fallbacks = 0
+        self.caller_static_idx: list[int] = []  # static inputs the caller passes (not parameters): staged too
+        self.caller_statics: dict[int, torch.Tensor] = {}
         self.tracing = tracing
         self.graphs = config.mode in ("piecewise", "full", "breakable") if graphs is None else graphs
         self.verify_left = (float("inf") if config.verify else 0) if verify_sizes is None else verify_sizes
@@ -142,6 +144,14 @@ class FlatRunner:
             padded[i] = buf.narrow(td, 0, size)
         for i in self.count_idx:
             padded[i] = size
+        for i in self.caller_static_idx:  # graphs read our copy: a new tensor next call is copied in, not theirs
+            x = flat[i]
+            if isinstance(x, torch.Tensor):
+                buf = self.caller_statics.get(i)
+                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
+                    buf = self.caller_statics[i] = torch.empty_like(x, memory_format=torch.contiguous_format)
+                buf.copy_(x)
+                padded[i] = buf
         return padded
 
     def _check_like(self, i: int, x: torch.Tensor, buf: torch.Tensor) -> None:
@@ -257,6 +267,11 @@ class FlatRunner:
     def label_inputs(self, names: Sequence[str]) -> None:
         """Name the inputs after the caller's arguments (error messages say ``input_ids``, not ``L['x']``)."""
         self.names = list(names)
+
+    def stage_caller_statics(self, indices: Sequence[int]) -> None:
+        """Static inputs at ``indices`` come from the caller (a temperature, a table): graphs capture piecegraph's
+        copy of them, refilled every call, so a fresh tensor per call is read and the caller's is never written."""
+        self.caller_static_idx = [i for i in indices if i not in self.token_idx and i not in self.count_idx]
 
     def disable_graphs(self) -> None:
         """Run the compiled pieces without graphs from now on (no CUDA here, say)."""

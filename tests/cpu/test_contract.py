@@ -194,3 +194,25 @@ def test_kwargs_of_forward_are_arguments_of_their_own(mode):
     torch.testing.assert_close(got[0], want[0])
     with pytest.raises(ValueError, match="scale"):  # a non-tensor argument keeps its traced value, checked
         graphed(x, scale=3.0, return_dict=False)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) / temperature
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_fresh_scalar_tensor_per_call_is_read_and_never_written(mode):
+    model = _Scaled()
+    graphed = piecegraph.compile(model, mode=mode, compiler="eager", capture_sizes=(8,), emulate_graphs=True)
+    x = torch.randn(5, 16)
+    temps = [torch.tensor(t) for t in (0.5, 2.0, 4.0, 0.25)]
+    for t in temps:
+        with torch.no_grad():
+            torch.testing.assert_close(graphed(x, t), model(x, t))
+    assert [t.item() for t in temps] == [0.5, 2.0, 4.0, 0.25]  # the caller's tensors hold their own values
+    assert graphed.stats()["replays"] >= 2
