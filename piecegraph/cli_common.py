@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +16,17 @@ def resolve_device(device: str) -> str:
         raise typer.BadParameter("--device cuda, but torch sees no CUDA device; use --device cpu",
                                  param_hint="--device")
     return device
+
+
+def check_writable(path: Path | None, flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be written (a missing folder, no permission)."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise typer.BadParameter(f"cannot write {path}: the folder {folder} does not exist", param_hint=flag)
+    if path.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise typer.BadParameter(f"cannot write {path}: not a writable file", param_hint=flag)
 
 
 def resolve_attention(attention: str, device: str) -> str:
@@ -41,7 +53,10 @@ def load_model(model: str, device: str, dtype: torch.dtype):
     if model == "qwen2.5-0.5b":
         return Decoder.random(QWEN2_5_0_5B, seed=0, dtype=dtype, device=device).eval()
     if Path(model).is_dir():
-        return load_hf(model, dtype=dtype, device=device).eval()
+        try:
+            return load_hf(model, dtype=dtype, device=device).eval()
+        except (FileNotFoundError, ValueError) as err:  # not a checkpoint, or one we cannot read: say which
+            raise typer.BadParameter(str(err).splitlines()[0], param_hint="--model") from None
     raise typer.BadParameter(
         f"{model!r} is not 'tiny', 'qwen2.5-0.5b' or a local Hugging Face directory", param_hint="--model"
     )

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from piecegraph.cli_common import load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import check_writable, load_model, resolve_attention, resolve_device
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
@@ -77,6 +77,8 @@ def bench(
     from piecegraph.bench.sweep import run_sweep
 
     device = resolve_device(device)
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        check_writable(path, flag)
     backend = resolve_attention(attention, device)
     batch_list, prefill_list = _ints(batches, "--batches"), _ints(prefill, "--prefill")
     if not batch_list:

@@ -23,6 +23,8 @@ import torch
 import typer
 from rich.console import Console
 
+from piecegraph.cli_common import check_writable
+
 __all__ = ["doctor", "load_target", "Target"]
 
 console = Console()
@@ -70,12 +72,26 @@ def _resolve(spec: str) -> Callable:
             if os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())  # as `python -m` does: modules of the current folder import
             module = importlib.import_module(where)
-    except ImportError as err:
-        raise typer.BadParameter(f"cannot import {where!r}: {err}", param_hint="TARGET") from err
+    except typer.BadParameter:
+        raise
+    except Exception as err:  # noqa: BLE001  (a syntax error or a failing import is the target's, in one line)
+        raise typer.BadParameter(f"cannot import {where!r}: {_one_line(err)}", param_hint="TARGET") from None
     fn = getattr(module, func, None)
     if not callable(fn):
         raise typer.BadParameter(f"{where!r} has no function {func!r}", param_hint="TARGET")
     return fn
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: first line of the message (file:line)`` of the innermost frame."""
+    message = (str(err).strip().splitlines() or [""])[0]
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})" if tb is not None else ""
+    if isinstance(err, SyntaxError) and err.filename:
+        where = f" ({err.filename}:{err.lineno})"
+    return f"{type(err).__name__}: {message[:200]}{where}"
 
 
 def _normalize(value: Any, module: str) -> Target:
@@ -103,8 +119,17 @@ def _to_device(target: Target, device: str) -> None:
 def load_target(spec: str, device: Optional[str] = None) -> Target:
     """Import and call the TARGET function; see the module docstring."""
     fn = _resolve(spec)
-    takes_device = "device" in inspect.signature(fn).parameters
-    value = fn(device=device) if takes_device and device is not None else fn()
+    params = inspect.signature(fn).parameters
+    takes_device = "device" in params
+    required = [n for n, p in params.items() if p.default is p.empty and n != "device"
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        raise typer.BadParameter(f"{spec!r} needs arguments ({', '.join(required)}); a target takes none (or only "
+                                 "device=)", param_hint="TARGET")
+    try:
+        value = fn(device=device) if takes_device and device is not None else fn()
+    except Exception as err:  # noqa: BLE001  (the target's own failure, named in one line)
+        raise typer.BadParameter(f"{spec!r} raised {_one_line(err)}", param_hint="TARGET") from None
     target = _normalize(value, getattr(fn, "__module__", "") or "")
     if device is not None and not takes_device:
         _to_device(target, device)
@@ -128,6 +153,8 @@ def doctor(
         raise typer.BadParameter(f"{device!r} is not cpu or cuda", param_hint="--device")
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("--device cuda, but torch sees no CUDA device", param_hint="--device")
+    for flag, path in (("--json", json_path), ("--html", html_path)):
+        check_writable(path, flag)
     loaded = load_target(target, device)
     top = (loaded.module or "").split(".")[0]
     try:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from piecegraph.cli import app
@@ -37,3 +38,28 @@ def test_bad_arguments_name_the_option():
     assert result.exit_code != 0 and "--batches" in result.output
     result = runner.invoke(app, ["demo", "--device", "cpu", "--model", "/no/such/dir"])
     assert result.exit_code != 0 and "--model" in result.output
+
+
+@pytest.mark.parametrize("source,func,needle", [
+    ("def make():\n    raise RuntimeError('boom')\n", "make", "raised RuntimeError: boom"),
+    ("def make(x):\n    return x\n", "make", "needs arguments (x)"),
+    ("def make(:\n", "make", "SyntaxError"),
+])
+def test_doctor_target_errors_are_one_usage_error(tmp_path, source, func, needle):
+    target = tmp_path / "target.py"
+    target.write_text(source)
+    result = CliRunner().invoke(app, ["doctor", f"{target}:{func}", "--device", "cpu"])
+    assert result.exit_code == 2 and "TARGET" in result.output and needle in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path):
+    missing = tmp_path / "no" / "such" / "report.json"
+    for args in (["doctor", "x.py:f", "--json", str(missing)], ["bench", "--device", "cpu", "--plot", str(missing)]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and ("--json" in result.output or "--plot" in result.output), result.output
+
+
+def test_bench_model_folder_without_a_checkpoint_names_the_flag(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--model", str(tmp_path)])
+    assert result.exit_code == 2 and "--model" in result.output and "config.json" in result.output
