@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import threading
@@ -38,6 +39,7 @@ class _RegistrationWatch:
         if not self.installed:
             torch.nn.modules.module.register_module_parameter_registration_hook(self._on_registration)
             torch.nn.modules.module.register_module_buffer_registration_hook(self._on_registration)
+            torch.nn.modules.module.register_module_module_registration_hook(self._on_registration)
             self.installed = True
         self.live.add(graphed)
 
@@ -79,6 +81,8 @@ class GraphedModule(torch.nn.Module):
         self.model = model
         self.config = config
         self._call_lock = _CallLock()
+        self._traced_training = model.training
+        self._slots: list[tuple[dict, str, Any]] = []
         self._arg_specs: dict[str, ArgSpec] = {}  # tensor arguments as traced: every call is checked against them
         self._accepted: set[tuple] = set()
         self._advisor = advisor or NoAdvice()  # auto mode's fixes and blocker names (the doctor's, from compile())
@@ -101,6 +105,10 @@ class GraphedModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._arguments(args, kwargs)
         with self._call_lock.lock, torch.no_grad():
+            if self._compiled is not None and self._model_changed():
+                log.warning("piecegraph: the model changed since it was traced (structure or train/eval mode); "
+                            "tracing it again")
+                self._reset()
             if self._compiled is None:
                 try:
                     self._setup(values)
@@ -109,9 +117,24 @@ class GraphedModule(torch.nn.Module):
                     raise
             if self._binding is None:
                 return self._compiled(**values)
-            if self._stale:
-                self._refresh_statics()
             return self._pack(self.runner(*self._flatten(values)))
+
+    def _model_changed(self) -> bool:
+        """A trace is stale when the model switched train/eval mode or its parameters' structure changed.
+
+        Registration hooks flag re-registered parameters, buffers and submodules; ``module.bias = None`` fires no
+        hook, so every call also checks that each traced parameter's slot still holds it (one dict lookup each).
+        """
+        if self.model.training != self._traced_training:
+            return True
+        if self._binding is None:
+            return False
+        if not self._stale:
+            for slots, key, value in self._slots:
+                if slots.get(key) is not value:
+                    self._stale = True
+                    break
+        return self._stale and not self._refresh_statics()
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by name; a ``**kwargs`` parameter's entries are arguments of their own (the
@@ -131,6 +154,7 @@ class GraphedModule(torch.nn.Module):
     # -- setup ------------------------------------------------------------------------------------------
     def _setup(self, values: dict[str, Any]) -> None:
         mode = self.config.mode
+        self._traced_training = self.model.training
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
         if self.config.prewarm:
             prewarm(self.model, **values)
@@ -172,7 +196,7 @@ class GraphedModule(torch.nn.Module):
         self._compiled = self.model
         self._binding = [("arg", name) for name in values]
         self._pack = unpack_single if program.single_output else tuple
-        self._constants = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        self._constants = {k: _snapshot(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
         self._known_args = frozenset(values)
         self._static_names = {}
         self._modules_seen = set()
@@ -233,13 +257,14 @@ class GraphedModule(torch.nn.Module):
             return
         runner.label_inputs([v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)])
         runner.stage_caller_statics([i for i, (kind, _) in enumerate(binding) if kind == "arg"])
-        self._constants = {k: v for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
+        self._constants = {k: _snapshot(v) for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
         self._known_args = frozenset(trace_values)
         self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names))
                               if kind == "static"}
         self._binding = binding
         self._pack = pack
         self._modules_seen = {id(m) for m in self.model.modules()}
+        self._slots = self._parameter_slots()
         td = self.config.token_dim
         self._arg_specs = {
             v: ArgSpec.of(v, trace_values[v], td if runner.program.kinds[i] is InputKind.TOKENS else None)
@@ -249,9 +274,9 @@ class GraphedModule(torch.nn.Module):
 
     def _flatten(self, values: dict[str, Any]) -> list[Any]:
         for key, traced in self._constants.items():
-            if values.get(key, traced) is not traced and values.get(key) != traced:
+            if not _same_constant(values.get(key, traced[0]), traced):
                 raise ValueError(
-                    f"argument {key}={values.get(key)!r} differs from the traced {key}={traced!r}; "
+                    f"argument {key}={values.get(key)!r} differs from the traced {key}={traced[1]!r}; "
                     "piecegraph specialises non-tensor arguments. Pass a tensor, or compile one model per value."
                 )
         flat = []
@@ -285,8 +310,10 @@ class GraphedModule(torch.nn.Module):
         return value
 
     # -- weights ----------------------------------------------------------------------------------------
-    def _refresh_statics(self) -> None:
-        """Re-read parameters and buffers by their Dynamo source names after one was re-registered."""
+    def _refresh_statics(self) -> bool:
+        """Re-read parameters and buffers by their Dynamo source names after one (or a submodule) was
+        re-registered. Returns False when the model's structure changed (a parameter gone, a submodule of another
+        kind, a shape or dtype changed): the trace no longer describes the model and must be redone."""
         self._stale = False
         changed = []
         scope = {"L": {"model": self.model}}
@@ -296,17 +323,38 @@ class GraphedModule(torch.nn.Module):
             try:
                 # names like L['model']._modules['x']._parameters['w']
                 current = eval(name, {"__builtins__": {}}, scope)
-            except Exception:
-                continue
+            except Exception:  # noqa: BLE001  (the path is gone: a submodule replaced by another kind)
+                return False
             kind, old = self._binding[i]
-            if current is not old:
-                self._binding[i] = (kind, current)
-                changed.append(name)
+            if current is old:
+                continue
+            if not isinstance(current, torch.Tensor) or (current.shape, current.dtype, current.device) != (
+                    old.shape, old.dtype, old.device):
+                return False
+            self._binding[i] = (kind, current)
+            changed.append(name)
         if changed:
             log.warning("piecegraph: %d parameters/buffers were replaced (%s...); capturing again", len(changed),
                         changed[0])
             for runner in self._runners:
                 runner.drop_graphs()
+        self._modules_seen = {id(m) for m in self.model.modules()}  # a new submodule is watched from now on
+        self._slots = self._parameter_slots()
+        return True
+
+    def _parameter_slots(self) -> list[tuple[dict, str, Any]]:
+        """``(module._parameters or _buffers, name, tensor)`` of every traced parameter and buffer."""
+        slots = []
+        scope = {"L": {"model": self.model}}
+        for i, name in self._static_names.items():
+            container, _, key = name.rpartition("[")
+            if not name.startswith("L['model']") or not container.endswith(("._parameters", "._buffers")):
+                continue
+            try:
+                slots.append((eval(container, {"__builtins__": {}}, scope), key.strip("]'\""), self._binding[i][1]))
+            except Exception:  # noqa: BLE001  (a name we cannot follow is watched by the hooks alone)
+                continue
+        return slots
 
     def recapture(self) -> None:
         """Drop every captured graph (after replacing weights); sizes capture again on their next use."""
@@ -345,3 +393,24 @@ class GraphedModule(torch.nn.Module):
         stats = self.runner.stats()
         stats["recompiles"] = len(self._runners) - 1
         return stats
+
+
+def _snapshot(value: Any) -> tuple[Any, Any]:
+    """``(the argument, a copy of it as traced)``, so a later in-place change (a dict updated) is seen. Objects
+    compared by identity (no ``__eq__`` of their own) or that cannot be copied keep only themselves."""
+    if type(value).__eq__ is object.__eq__:
+        return value, value
+    try:
+        return value, copy.deepcopy(value)
+    except Exception:  # noqa: BLE001
+        return value, value
+
+
+def _same_constant(value: Any, traced: tuple[Any, Any]) -> bool:
+    original, copied = traced
+    if value is original and copied is original:
+        return True
+    try:
+        return bool(value == copied)
+    except Exception:  # noqa: BLE001  (== that raises or returns a tensor: not provably the same)
+        return False

@@ -216,3 +216,51 @@ def test_a_fresh_scalar_tensor_per_call_is_read_and_never_written(mode):
             torch.testing.assert_close(graphed(x, t), model(x, t))
     assert [t.item() for t in temps] == [0.5, 2.0, 4.0, 0.25]  # the caller's tensors hold their own values
     assert graphed.stats()["replays"] >= 2
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
+
+    def forward(self, x: torch.Tensor, options: dict) -> torch.Tensor:
+        return self.b(self.a(x)) * options["scale"]
+
+
+def _graphed_two_layers(mode):
+    model = _TwoLayers().eval()
+    graphed = piecegraph.compile(model, mode=mode, compiler="eager", capture_sizes=(8,), emulate_graphs=True)
+    return model, graphed
+
+
+def _check(model, graphed, x, options):
+    got = graphed(x, options)
+    with torch.no_grad():
+        want = model(x, options)
+    if model.training:  # dropout: compare the statistics, not the draws
+        assert (got == 0).float().mean() > 0.2
+    else:
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
+def test_model_changes_after_the_trace_are_seen(mode):
+    model, graphed = _graphed_two_layers(mode)
+    x, options = torch.randn(6, 16), {"scale": 2.0}
+    for _ in range(2):
+        _check(model, graphed, x, options)
+    model.a = torch.nn.Linear(16, 16)  # a replaced submodule, same shapes: new weights are read
+    _check(model, graphed, x, options)
+    model.b[0] = torch.nn.Linear(16, 16, bias=False)  # a parameter gone: traced again
+    _check(model, graphed, x, options)
+    model.a.bias = None
+    _check(model, graphed, x, options)
+    model.train()  # dropout on: traced again in training mode
+    _check(model, graphed, x, options)
+    model.eval()
+    _check(model, graphed, x, options)
+    options["scale"] = 3.0  # a non-tensor argument mutated in place
+    with pytest.raises(ValueError, match="options"):
+        graphed(x, options)
