@@ -96,6 +96,18 @@ class GraphedModule(torch.nn.Module):
         self._stale = False
         _WATCH.watch(self)
 
+    def __deepcopy__(self, memo: dict) -> GraphedModule:
+        """A copy of the model, compiled anew on its first call (compiled code and graphs are not copied)."""
+        return GraphedModule(copy.deepcopy(self.model, memo), self.config, self._advisor)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._compiled is not None:
+            raise TypeError(
+                "a GraphedModule that has run holds compiled code and CUDA graphs, which cannot be pickled; pickle "
+                "its .model (or its state_dict) and call piecegraph.compile again after loading"
+            )
+        return super().__reduce_ex__(protocol)
+
     @property
     def runner(self) -> FlatRunner:
         if not self._runners:

@@ -264,3 +264,13 @@ def test_model_changes_after_the_trace_are_seen(mode):
     options["scale"] = 3.0  # a non-tensor argument mutated in place
     with pytest.raises(ValueError, match="options"):
         graphed(x, options)
+
+
+def test_pickling_a_graphed_module_that_ran_says_what_to_do():
+    import pickle
+
+    graphed = piecegraph.compile(_mlp(), mode="none", compiler="eager")
+    assert isinstance(pickle.loads(pickle.dumps(graphed)), piecegraph.GraphedModule)  # not run yet: fine
+    graphed(torch.randn(3, 16))
+    with pytest.raises(TypeError, match=r"pickle its \.model"):
+        pickle.dumps(graphed)
