@@ -13,13 +13,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .binding import ArgSpec, fresh_entry, packer, trace_copy, unpack_single
+from .binding import fresh_entry, packer, trace_copy, unpack_single
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
-from .program import InputKind
+from .program import ArgSpec, InputKind
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -328,13 +328,11 @@ class GraphedModule(torch.nn.Module):
         kind, a shape or dtype changed): the trace no longer describes the model and must be redone."""
         self._stale = False
         changed = []
-        scope = {"L": {"model": self.model}}
         for i, name in self._static_names.items():
             if not name.startswith("L['model']"):
                 continue
             try:
-                # names like L['model']._modules['x']._parameters['w']
-                current = eval(name, {"__builtins__": {}}, scope)
+                current = self._follow(name)
             except Exception:  # noqa: BLE001  (the path is gone: a submodule replaced by another kind)
                 return False
             kind, old = self._binding[i]
@@ -354,16 +352,19 @@ class GraphedModule(torch.nn.Module):
         self._slots = self._parameter_slots()
         return True
 
+    def _follow(self, source: str) -> Any:
+        """The object a Dynamo source name reaches from the model, e.g. ``L['model']._modules['x']._parameters``."""
+        return eval(source, {"__builtins__": {}}, {"L": {"model": self.model}})
+
     def _parameter_slots(self) -> list[tuple[dict, str, Any]]:
         """``(module._parameters or _buffers, name, tensor)`` of every traced parameter and buffer."""
         slots = []
-        scope = {"L": {"model": self.model}}
         for i, name in self._static_names.items():
             container, _, key = name.rpartition("[")
             if not name.startswith("L['model']") or not container.endswith(("._parameters", "._buffers")):
                 continue
             try:
-                slots.append((eval(container, {"__builtins__": {}}, scope), key.strip("]'\""), self._binding[i][1]))
+                slots.append((self._follow(container), key.strip("]'\""), self._binding[i][1]))
             except Exception:  # noqa: BLE001  (a name we cannot follow is watched by the hooks alone)
                 continue
         return slots

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import torch
+
 
 class InputKind(enum.Enum):
     """What a flat input of a program is, which decides how the runner stages it."""
@@ -88,3 +90,49 @@ class Program:
     @property
     def num_pieces(self) -> int:
         return len(self.pieces)
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """What a tensor argument looked like when the model was traced: every later call must match it.
+
+    ``shape`` has ``None`` at the token dimension of a token input (the only size that may change). A call that
+    differs in dtype, device, rank or any other size raises naming the argument, on every path (graphs or not):
+    the compiled code would cast, fail deep inside Inductor, or compute garbage. A non-contiguous tensor where a
+    contiguous one was traced is copied (a correct fallback; the caller's tensor is untouched). The
+    GraphedModule checks the call's arguments with it, the runner its token inputs against its static buffers.
+    """
+
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple[int | None, ...]
+    contiguous: bool
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor, token_dim: int | None) -> ArgSpec:
+        shape = tuple(None if i == token_dim else s for i, s in enumerate(t.shape))
+        return cls(name, t.dtype, t.device, shape, t.is_contiguous())
+
+    def key(self, t: torch.Tensor) -> tuple:
+        """What decides whether ``t`` matches: checked once per distinct key."""
+        return (t.dtype, t.device, t.dim(), tuple(s for s, want in zip(t.shape, self.shape) if want is not None))
+
+    def check(self, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"input {self.name} was a tensor when the model was traced and is now "
+                            f"{type(value).__name__}; pass a tensor, or compile another model")
+        if value.dtype != self.dtype or value.device != self.device:
+            raise ValueError(
+                f"input {self.name} is {value.dtype} on {value.device}; the model was traced with {self.dtype} "
+                f"on {self.device}. Convert it (x.to(...)) or compile another model for this dtype/device."
+            )
+        if value.dim() != len(self.shape):
+            raise ValueError(f"input {self.name} has rank {value.dim()}; it was traced with rank {len(self.shape)}")
+        sizes = tuple(s for s, want in zip(value.shape, self.shape) if want is not None)
+        if sizes != tuple(s for s in self.shape if s is not None):
+            traced = tuple("tokens" if s is None else s for s in self.shape)
+            raise ValueError(
+                f"input {self.name} has shape {tuple(value.shape)}; it was traced as {traced}"
+                + (" (only the token dimension may change)" if None in self.shape else " (a static input)")
+            )

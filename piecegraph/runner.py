@@ -15,7 +15,7 @@ from .context import current_forward_context, override_forward_context
 from .graphs.capture import GraphPool, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
 from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs
-from .program import InputKind, Phase, Program
+from .program import ArgSpec, InputKind, Phase, Program
 
 log = logging.getLogger("piecegraph")
 
@@ -50,6 +50,8 @@ class FlatRunner:
         self.fallbacks = 0
         self.caller_static_idx: list[int] = []  # static inputs the caller passes (not parameters): staged too
         self.caller_statics: dict[int, torch.Tensor] = {}
+        self.caller_static_specs: dict[int, ArgSpec] = {}
+        self.buffer_specs: list[ArgSpec] = []
         self.tracing = tracing
         self.graphs = config.mode in ("piecewise", "full", "breakable") if graphs is None else graphs
         self.verify_left = (float("inf") if config.verify else 0) if verify_sizes is None else verify_sizes
@@ -116,7 +118,7 @@ class FlatRunner:
         return n
 
     def _graphs_possible(self, flat: Sequence[Any]) -> bool:
-        """Checked once, before the static buffers exist: they then pin the device (``_check_like``)."""
+        """Checked once, before the static buffers exist: they then pin the device (``buffer_specs``)."""
         x = flat[self.token_idx[0]]
         if x.is_cuda or self.config.emulate_graphs:
             return True
@@ -134,10 +136,12 @@ class FlatRunner:
         if self.buffers is None:
             largest = self.sizes[-1]
             self.buffers = [_buffer_like(flat[i], td, largest) for i in self.token_idx]
+            # The buffers pin dtype, device and every size but the token count from now on.
+            self.buffer_specs = [ArgSpec.of(self.names[i], buf, td) for i, buf in zip(self.token_idx, self.buffers)]
         padded = list(flat)
-        for i, buf in zip(self.token_idx, self.buffers):
+        for i, buf, spec in zip(self.token_idx, self.buffers, self.buffer_specs):
             x = flat[i]
-            self._check_like(i, x, buf)
+            spec.check(x)
             buf.narrow(td, 0, n).copy_(x)
             if size > n:
                 buf.narrow(td, n, size - n).zero_()  # garbage in pad rows can leak NaN into real rows
@@ -147,27 +151,13 @@ class FlatRunner:
         for i in self.caller_static_idx:  # graphs read our copy: a new tensor next call is copied in, not theirs
             x = flat[i]
             if isinstance(x, torch.Tensor):
-                buf = self.caller_statics.get(i)
-                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
-                    buf = self.caller_statics[i] = torch.empty_like(x, memory_format=torch.contiguous_format)
-                buf.copy_(x)
-                padded[i] = buf
+                if i not in self.caller_statics:  # once: graphs bake this buffer's address in
+                    self.caller_statics[i] = torch.empty_like(x, memory_format=torch.contiguous_format)
+                    self.caller_static_specs[i] = ArgSpec.of(self.names[i], x, None)
+                self.caller_static_specs[i].check(x)
+                self.caller_statics[i].copy_(x)
+                padded[i] = self.caller_statics[i]
         return padded
-
-    def _check_like(self, i: int, x: torch.Tensor, buf: torch.Tensor) -> None:
-        td = self.config.token_dim
-        if x.dim() != buf.dim():
-            raise ValueError(f"input {self.names[i]} has rank {x.dim()}; it was captured with rank {buf.dim()}")
-        if x.dtype != buf.dtype or x.device != buf.device:
-            raise ValueError(
-                f"input {self.names[i]} is {x.dtype} on {x.device}; it was captured as {buf.dtype} on "
-                f"{buf.device}. Convert it (x.to(...)) or compile another model for this dtype/device."
-            )
-        if x.shape[:td] + x.shape[td + 1 :] != buf.shape[:td] + buf.shape[td + 1 :]:
-            raise ValueError(
-                f"input {self.names[i]} has shape {tuple(x.shape)}; only dim {td} (tokens) may change, it was "
-                f"captured with {tuple(buf.shape[:td])} + (tokens,) + {tuple(buf.shape[td + 1:])}"
-            )
 
     # -- capture and replay -----------------------------------------------------------------------------
     def _capture(self, padded: list[Any], n: int, size: int) -> Any:
