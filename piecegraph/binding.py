@@ -1,13 +1,21 @@
-"""How a GraphedModule meets Dynamo: the traced entry, the trace's argument copies, and packing the runner's
-flat outputs back into the model's output structure."""
+"""How a GraphedModule meets Dynamo: the traced entry, the trace's argument copies, the binding of a call's
+arguments to the program's flat inputs, and packing the runner's flat outputs back into the model's output."""
 
 from __future__ import annotations
 
+import copy
+import enum
 import itertools
+import logging
 import types
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from .program import ArgSpec, InputKind
+
+log = logging.getLogger("piecegraph")
 
 
 def _entry(model: torch.nn.Module, kwargs: dict[str, Any]) -> Any:
@@ -37,11 +45,126 @@ def trace_copy(value: Any, td: int) -> Any:
     return value
 
 
+class Source(enum.Enum):
+    """Where a program input's value comes from on each call. Not :class:`InputKind`, which says how the runner
+    stages an input: a caller's argument may be a token input or a caller static."""
+
+    CALLER = "caller"  # the call's argument of that name
+    COUNT = "count"  # the token count (the runner sets it)
+    MODULE = "module"  # a parameter, buffer or constant the trace read off the model: the same object each call
+
+
+@dataclass
+class Bound:
+    """One program input: its source, the argument name (CALLER) or the module's tensor (MODULE), its Dynamo
+    source name."""
+
+    source: Source
+    value: Any
+    name: str
+
+
+@dataclass
+class Binding:
+    """The map from a call's arguments (by name) to the program's flat inputs, and back from its flat outputs.
+
+    Tensor arguments are checked against the trace (dtype, device, rank, non-token dims) once per distinct
+    signature; non-tensor arguments must equal their traced values (compared with a copy taken at trace time, so
+    an in-place change to a dict is seen); an argument the trace did not see, or one missing, is an error."""
+
+    inputs: list[Bound]
+    pack: Callable[[tuple[Any, ...]], Any]
+    constants: dict[str, tuple[Any, Any]]
+    known_args: frozenset[str]
+    specs: dict[str, ArgSpec] = field(default_factory=dict)
+    accepted: set[tuple] = field(default_factory=set)
+
+    @classmethod
+    def from_trace(cls, example_inputs: list[Any], names: list[str], kinds: list[InputKind],
+                   trace_values: dict[str, Any], result: Any, outputs: tuple[Any, ...] | None,
+                   token_dim: int) -> Binding | None:
+        """Bind a traced program's inputs; ``None`` when an input or the output cannot be bound directly (then
+        calls go through Dynamo)."""
+        inputs = []
+        for example, name in zip(example_inputs, names):
+            arg = next((k for k, v in trace_values.items() if v is example), None)
+            if arg is not None:
+                inputs.append(Bound(Source.CALLER, arg, name))
+            elif isinstance(example, (int, torch.SymInt)) and name.endswith(f".size()[{token_dim}]"):
+                inputs.append(Bound(Source.COUNT, None, name))
+            elif isinstance(example, torch.Tensor):
+                inputs.append(Bound(Source.MODULE, example, name))
+            else:
+                log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
+                return None
+        pack = packer(result, outputs)
+        if pack is None:
+            log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
+            return None
+        specs = {b.value: ArgSpec.of(b.value, trace_values[b.value], token_dim if kind is InputKind.TOKENS else None)
+                 for b, kind in zip(inputs, kinds)
+                 if b.source is Source.CALLER and isinstance(trace_values[b.value], torch.Tensor)}
+        return cls(inputs, pack, _constants(trace_values), frozenset(trace_values), specs)
+
+    @classmethod
+    def of_arguments(cls, values: dict[str, Any], single_output: bool) -> Binding:
+        """Every argument is an input, in order (a breakable program's binding)."""
+        return cls([Bound(Source.CALLER, name, name) for name in values], unpack_single if single_output else tuple,
+                   _constants(values), frozenset(values))
+
+    def labels(self) -> list[str]:
+        """Each input's name for messages: the argument's name, else its Dynamo source name."""
+        return [b.value if b.source is Source.CALLER else b.name for b in self.inputs]
+
+    def caller_indices(self) -> list[int]:
+        return [i for i, b in enumerate(self.inputs) if b.source is Source.CALLER]
+
+    def module_inputs(self) -> dict[int, Bound]:
+        return {i: b for i, b in enumerate(self.inputs) if b.source is Source.MODULE}
+
+    def flatten(self, values: dict[str, Any]) -> list[Any]:
+        """The program's flat inputs for a call's arguments, each checked (see the class docstring)."""
+        for key, traced in self.constants.items():
+            if not _same_constant(values.get(key, traced[0]), traced):
+                raise ValueError(
+                    f"argument {key}={values.get(key)!r} differs from the traced {key}={traced[1]!r}; "
+                    "piecegraph specialises non-tensor arguments. Pass a tensor, or compile one model per value."
+                )
+        flat = []
+        for b in self.inputs:
+            if b.source is Source.CALLER:
+                if b.value not in values:
+                    raise TypeError(f"argument {b.value!r} was given when the model was traced and is missing now")
+                flat.append(self._checked(b.value, values[b.value]))
+            else:
+                flat.append(0 if b.source is Source.COUNT else b.value)  # the runner sets the count
+        if not self.known_args.issuperset(values):
+            extra = sorted(set(values) - self.known_args)
+            raise TypeError(f"arguments {extra} were not given when the model was traced")
+        return flat
+
+    def _checked(self, name: str, value: Any) -> Any:
+        """``value`` checked against the traced argument (once per distinct dtype/device/shape), contiguous."""
+        spec = self.specs.get(name)
+        if spec is None:
+            return value
+        if not isinstance(value, torch.Tensor):
+            spec.check(value)
+        key = (name, *spec.key(value))
+        if key not in self.accepted:
+            spec.check(value)
+            self.accepted.add(key)
+        if spec.contiguous and not value.is_contiguous():
+            value = value.contiguous()  # compiled code assumed the traced strides; a copy, never the caller's
+        return value
+
+
 def unpack_single(outputs: tuple[Any, ...]) -> Any:
     return outputs[0]
 
 
 def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
+    """How to rebuild ``result`` (a tensor, or a tuple or list of tensors) from the program's flat ``outputs``."""
     if outputs is None:
         return None
 
@@ -58,3 +181,28 @@ def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any,
         kind = type(result)
         return lambda outs: kind(outs[i] for i in idx)
     return None
+
+
+def _constants(values: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    return {k: _snapshot(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+
+
+def _snapshot(value: Any) -> tuple[Any, Any]:
+    """``(the argument, a copy of it as traced)``, so a later in-place change (a dict updated) is seen. Objects
+    compared by identity (no ``__eq__`` of their own) or that cannot be copied keep only themselves."""
+    if type(value).__eq__ is object.__eq__:
+        return value, value
+    try:
+        return value, copy.deepcopy(value)
+    except Exception:  # noqa: BLE001
+        return value, value
+
+
+def _same_constant(value: Any, traced: tuple[Any, Any]) -> bool:
+    original, copied = traced
+    if value is original and copied is original:
+        return True
+    try:
+        return bool(value == copied)
+    except Exception:  # noqa: BLE001  (== that raises or returns a tensor: not provably the same)
+        return False

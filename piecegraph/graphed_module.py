@@ -13,13 +13,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .binding import fresh_entry, packer, trace_copy, unpack_single
+from .binding import Binding, fresh_entry, trace_copy
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
-from .program import ArgSpec, InputKind
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -45,7 +44,7 @@ class _RegistrationWatch:
 
     def _on_registration(self, module: torch.nn.Module, name: str, value: Any) -> None:
         for graphed in list(self.live):
-            if getattr(graphed, "_binding", None) is not None and id(module) in graphed._modules_seen:
+            if graphed._binding is not None and id(module) in graphed._modules_seen:
                 graphed._stale = True
 
 
@@ -83,16 +82,12 @@ class GraphedModule(torch.nn.Module):
         self._call_lock = _CallLock()
         self._traced_training = model.training
         self._slots: list[tuple[dict, str, Any]] = []
-        self._arg_specs: dict[str, ArgSpec] = {}  # tensor arguments as traced: every call is checked against them
-        self._accepted: set[tuple] = set()
+        self._modules_seen: set[int] = set()
         self._advisor = advisor or NoAdvice()  # auto mode's fixes and blocker names (the doctor's, from compile())
         self._signature = inspect.signature(model.forward)
         self._runners: list[FlatRunner] = []
         self._compiled: Callable[..., Any] | None = None
-        self._binding: list[tuple[str, Any]] | None = None
-        self._pack: Callable[[tuple[Any, ...]], Any] | None = None
-        self._constants: dict[str, Any] = {}
-        self._known_args: frozenset[str] = frozenset()  # every argument name the trace saw
+        self._binding: Binding | None = None  # None: calls go through Dynamo (or the eager model)
         self._stale = False
         _WATCH.watch(self)
 
@@ -129,7 +124,7 @@ class GraphedModule(torch.nn.Module):
                     raise
             if self._binding is None:
                 return self._compiled(**values)
-            return self._pack(self.runner(*self._flatten(values)))
+            return self._binding.pack(self.runner(*self._binding.flatten(values)))
 
     def _model_changed(self) -> bool:
         """A trace is stale when the model switched train/eval mode or its parameters' structure changed.
@@ -206,11 +201,7 @@ class GraphedModule(torch.nn.Module):
         runner.stage_caller_statics(range(len(values)))  # every input is the caller's: none is a parameter
         self._runners.append(runner)
         self._compiled = self.model
-        self._binding = [("arg", name) for name in values]
-        self._pack = unpack_single if program.single_output else tuple
-        self._constants = {k: _snapshot(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
-        self._known_args = frozenset(values)
-        self._static_names = {}
+        self._binding = Binding.of_arguments(values, program.single_output)
         self._modules_seen = set()
 
     def _setup_auto(self, values: dict[str, Any]) -> None:
@@ -246,80 +237,20 @@ class GraphedModule(torch.nn.Module):
         self._runners.clear()
         self._compiled = None
         self._binding = None
-        self._arg_specs, self._accepted = {}, set()
 
     def _bind(self, example_inputs: list[Any], trace_values: dict[str, Any], result: Any) -> None:
         """Map the graph's inputs to the call's arguments, so later calls can skip Dynamo's guards."""
         runner = self.runner
-        binding: list[tuple[str, Any]] = []
-        for example, name in zip(example_inputs, runner.program.names):
-            arg = next((k for k, v in trace_values.items() if v is example), None)
-            if arg is not None:
-                binding.append(("arg", arg))
-            elif isinstance(example, (int, torch.SymInt)) and name.endswith(f".size()[{self.config.token_dim}]"):
-                binding.append(("count", None))
-            elif isinstance(example, torch.Tensor):
-                binding.append(("static", example))
-            else:
-                log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
-                return
-        pack = packer(result, runner.last_outputs)
-        if pack is None:
-            log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
+        program = runner.program
+        binding = Binding.from_trace(example_inputs, program.names, program.kinds, trace_values, result,
+                                     runner.last_outputs, self.config.token_dim)
+        if binding is None:
             return
-        runner.label_inputs([v if kind == "arg" else n for (kind, v), n in zip(binding, runner.program.names)])
-        runner.stage_caller_statics([i for i, (kind, _) in enumerate(binding) if kind == "arg"])
-        self._constants = {k: _snapshot(v) for k, v in trace_values.items() if not isinstance(v, torch.Tensor)}
-        self._known_args = frozenset(trace_values)
-        self._static_names = {i: n for i, ((kind, _), n) in enumerate(zip(binding, runner.program.names))
-                              if kind == "static"}
+        runner.label_inputs(binding.labels())
+        runner.stage_caller_statics(binding.caller_indices())
         self._binding = binding
-        self._pack = pack
         self._modules_seen = {id(m) for m in self.model.modules()}
         self._slots = self._parameter_slots()
-        td = self.config.token_dim
-        self._arg_specs = {
-            v: ArgSpec.of(v, trace_values[v], td if runner.program.kinds[i] is InputKind.TOKENS else None)
-            for i, (kind, v) in enumerate(binding) if kind == "arg" and isinstance(trace_values[v], torch.Tensor)
-        }
-        self._accepted: set[tuple] = set()
-
-    def _flatten(self, values: dict[str, Any]) -> list[Any]:
-        for key, traced in self._constants.items():
-            if not _same_constant(values.get(key, traced[0]), traced):
-                raise ValueError(
-                    f"argument {key}={values.get(key)!r} differs from the traced {key}={traced[1]!r}; "
-                    "piecegraph specialises non-tensor arguments. Pass a tensor, or compile one model per value."
-                )
-        flat = []
-        for kind, value in self._binding:
-            if kind == "arg":
-                if value not in values:
-                    raise TypeError(f"argument {value!r} was given when the model was traced and is missing now")
-                flat.append(self._checked(value, values[value]))
-            elif kind == "count":
-                flat.append(0)  # the runner sets the token count
-            else:
-                flat.append(value)
-        if not self._known_args.issuperset(values):
-            extra = sorted(set(values) - self._known_args)
-            raise TypeError(f"arguments {extra} were not given when the model was traced")
-        return flat
-
-    def _checked(self, name: str, value: Any) -> Any:
-        """``value`` checked against the traced argument (once per distinct dtype/device/shape), contiguous."""
-        spec = self._arg_specs.get(name)
-        if spec is None:
-            return value
-        if not isinstance(value, torch.Tensor):
-            spec.check(value)
-        key = (name, *spec.key(value))
-        if key not in self._accepted:
-            spec.check(value)
-            self._accepted.add(key)
-        if spec.contiguous and not value.is_contiguous():
-            value = value.contiguous()  # compiled code assumed the traced strides; a copy, never the caller's
-        return value
 
     # -- weights ----------------------------------------------------------------------------------------
     def _refresh_statics(self) -> bool:
@@ -328,20 +259,20 @@ class GraphedModule(torch.nn.Module):
         kind, a shape or dtype changed): the trace no longer describes the model and must be redone."""
         self._stale = False
         changed = []
-        for i, name in self._static_names.items():
+        for bound in self._binding.module_inputs().values():
+            name, old = bound.name, bound.value
             if not name.startswith("L['model']"):
                 continue
             try:
                 current = self._follow(name)
             except Exception:  # noqa: BLE001  (the path is gone: a submodule replaced by another kind)
                 return False
-            kind, old = self._binding[i]
             if current is old:
                 continue
             if not isinstance(current, torch.Tensor) or (current.shape, current.dtype, current.device) != (
                     old.shape, old.dtype, old.device):
                 return False
-            self._binding[i] = (kind, current)
+            bound.value = current
             changed.append(name)
         if changed:
             log.warning("piecegraph: %d parameters/buffers were replaced (%s...); capturing again", len(changed),
@@ -359,12 +290,12 @@ class GraphedModule(torch.nn.Module):
     def _parameter_slots(self) -> list[tuple[dict, str, Any]]:
         """``(module._parameters or _buffers, name, tensor)`` of every traced parameter and buffer."""
         slots = []
-        for i, name in self._static_names.items():
-            container, _, key = name.rpartition("[")
-            if not name.startswith("L['model']") or not container.endswith(("._parameters", "._buffers")):
+        for bound in self._binding.module_inputs().values():
+            container, _, key = bound.name.rpartition("[")
+            if not bound.name.startswith("L['model']") or not container.endswith(("._parameters", "._buffers")):
                 continue
             try:
-                slots.append((self._follow(container), key.strip("]'\""), self._binding[i][1]))
+                slots.append((self._follow(container), key.strip("]'\""), bound.value))
             except Exception:  # noqa: BLE001  (a name we cannot follow is watched by the hooks alone)
                 continue
         return slots
@@ -406,24 +337,3 @@ class GraphedModule(torch.nn.Module):
         stats = self.runner.stats()
         stats["recompiles"] = len(self._runners) - 1
         return stats
-
-
-def _snapshot(value: Any) -> tuple[Any, Any]:
-    """``(the argument, a copy of it as traced)``, so a later in-place change (a dict updated) is seen. Objects
-    compared by identity (no ``__eq__`` of their own) or that cannot be copied keep only themselves."""
-    if type(value).__eq__ is object.__eq__:
-        return value, value
-    try:
-        return value, copy.deepcopy(value)
-    except Exception:  # noqa: BLE001
-        return value, value
-
-
-def _same_constant(value: Any, traced: tuple[Any, Any]) -> bool:
-    original, copied = traced
-    if value is original and copied is original:
-        return True
-    try:
-        return bool(value == copied)
-    except Exception:  # noqa: BLE001  (== that raises or returns a tensor: not provably the same)
-        return False
