@@ -73,7 +73,7 @@ def bench(
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
     from piecegraph.bench.harness import environment
     from piecegraph.bench.profile import attention_op_us
-    from piecegraph.bench.report import compact, payload, rich_table, write_json
+    from piecegraph.bench.report import payload, write_json
     from piecegraph.bench.sweep import run_sweep
 
     device = resolve_device(device)
@@ -107,11 +107,19 @@ def bench(
 
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
                        on_mode=save_partial, attention=backend)
-    env = env_of(result)
+    profiled = _run_profile(net, spec, context, backend) if spec else None
+    _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)
+
+
+def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: Any, json_path: Path | None,
+            plot_path: Path | None) -> None:
+    """The sweep's table, the attention op's cost, the compact summary; then the JSON and the PNG if asked."""
+    from piecegraph.bench.report import compact, payload, rich_table, write_json
+
+    context = env["context"]
     console.print(rich_table(result.rows, f"{model} {env['dtype']} on {env['gpu']}, torch {env['torch']}, "
                                           f"{env['attention_backend']} attention, context {context}"))
     console.print(_op_table(op_us, env["attention_backend"]))
-    profiled = _run_profile(net, spec, context, backend) if spec else None
     data = payload(env, result.rows, result.modes, profiled, attention_op_us=op_us)
     console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
     if json_path:
