@@ -8,7 +8,7 @@ runner calls it. A breakable program (``graphs/breakable.py``) has the same shap
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -86,6 +86,7 @@ class Program:
     dynamic: bool  # False when Dynamo traced a fixed token count: only that size can be captured
     names: list[str]  # the placeholders' source names, for error messages
     single_output: bool = False  # breakable programs: the model returned one tensor, not a tuple
+    caller_inputs: list[int] = field(default_factory=list)  # the caller's tensors (not module state)
 
     @property
     def num_pieces(self) -> int:

@@ -49,6 +49,7 @@ class FlatRunner:
         self.replays = 0
         self.fallbacks = 0
         self.caller_static_idx: list[int] = []  # static inputs the caller passes (not parameters): staged too
+        self.stage_caller_statics(program.caller_inputs)
         self.caller_statics: dict[int, torch.Tensor] = {}
         self.caller_static_specs: dict[int, ArgSpec] = {}
         self.buffer_specs: list[ArgSpec] = []

@@ -39,16 +39,17 @@ def _token_symbols(fakes: list[Any], token_dim: int) -> frozenset[Any]:
 
 def _classify_inputs(
     placeholders: list[torch.fx.Node], token_dim: int
-) -> tuple[list[InputKind], Any, list[str]]:
+) -> tuple[list[InputKind], Any, list[str], list[int]]:
+    """Each input's kind, the token symbols, the inputs' source names, and which inputs are the caller's (not
+    module state): those the runner stages into buffers of its own when they are not token inputs."""
     fakes = [_fake(n) for n in placeholders]
     sym = _token_symbols(fakes, token_dim)
-    names = []
+    names = [_source_name(n) for n in placeholders]
+    caller = [i for i, (n, f) in enumerate(zip(placeholders, fakes))
+              if isinstance(f, torch.Tensor) and not _is_module_state(n, f)]
+    static_count = None if sym else _static_token_count(placeholders, fakes, caller, token_dim)
     kinds = []
-    for node, fake in zip(placeholders, fakes):
-        grapharg = node.meta.get("grapharg")
-        name = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
-        name = name() if callable(name) else name  # Source.name is a method in older torch, a property in newer
-        names.append(name)
+    for i, (name, fake) in enumerate(zip(names, fakes)):
         if isinstance(fake, torch.SymInt):
             if fake.node.expr not in sym:
                 raise UnsupportedGraph(
@@ -58,7 +59,8 @@ def _classify_inputs(
             kinds.append(InputKind.COUNT)
         elif isinstance(fake, torch.Tensor) and sym and _is_token_tensor(fake, token_dim, sym):
             kinds.append(InputKind.TOKENS)
-        elif isinstance(fake, torch.Tensor) and not sym and _is_user_input(name):
+        elif i in caller and static_count is not None and fake.dim() > token_dim and (
+                fake.shape[token_dim] == static_count):
             kinds.append(InputKind.TOKENS)
         else:
             if isinstance(fake, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in fake.shape):
@@ -67,7 +69,42 @@ def _classify_inputs(
                     "be dynamic, and it must be the token count shared by all inputs."
                 )
             kinds.append(InputKind.STATIC)
-    return kinds, sym, names
+    return kinds, sym, names, caller
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    name = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
+    return name() if callable(name) else name  # Source.name is a method in older torch, a property in newer
+
+
+def _is_module_state(node: torch.fx.Node, fake: torch.Tensor) -> bool:
+    """A parameter, buffer or tensor attribute of a module, as Dynamo marks them (a static address), whatever
+    the module or its ``self`` is called; it keeps its address across calls and is never staged."""
+    if (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type") is not None:
+        return True
+    grapharg = node.meta.get("grapharg")
+    example = getattr(grapharg, "example", None) if grapharg is not None else None
+    return isinstance(example, torch.nn.Parameter) or isinstance(fake, torch.nn.Parameter)
+
+
+def _static_token_count(placeholders: list[torch.fx.Node], fakes: list[Any], caller: list[int],
+                        token_dim: int) -> int | None:
+    """The token count of a static trace: the token-dim size most of the caller's local arguments share (ties:
+    the first argument's). Only the call's own arguments count, never module state or globals."""
+    sizes = [fakes[i].shape[token_dim] for i in caller
+             if fakes[i].dim() > token_dim and _is_local_argument(placeholders[i])]
+    if not sizes:
+        return None
+    return max(sizes, key=lambda s: (sizes.count(s), -sizes.index(s)))
+
+
+def _is_local_argument(node: torch.fx.Node) -> bool:
+    from torch._dynamo.source import is_from_local_source
+
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source is not None and is_from_local_source(source, only_allow_input=True)
 
 
 def _is_token_tensor(fake: torch.Tensor, token_dim: int, sym: Any) -> bool:
@@ -75,12 +112,6 @@ def _is_token_tensor(fake: torch.Tensor, token_dim: int, sym: Any) -> bool:
         return False
     size = fake.shape[token_dim]
     return isinstance(size, torch.SymInt) and size.node.expr in sym
-
-
-def _is_user_input(source_name: str) -> bool:
-    # A static graph (no dynamic token dim): the call's own arguments are copied into static buffers, while
-    # module state (L['self']...) and globals keep their addresses.
-    return source_name.startswith("L[") and not source_name.startswith(("L['self']", "L['model']"))
 
 
 def _token_outputs(gm: torch.fx.GraphModule, token_dim: int, sym: Any, num_tokens: int | None) -> list[bool]:
@@ -132,14 +163,14 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     token count, under the fake mode of the trace. Returns a :class:`Program`; nothing is captured yet.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    kinds, sym, names = _classify_inputs(placeholders, config.token_dim)
+    kinds, sym, names, caller = _classify_inputs(placeholders, config.token_dim)
     fake_args = [_fake(n) for n in placeholders]
     fake_mode = next((a.fake_mode for a in fake_args if hasattr(a, "fake_mode")), None)
     if fake_mode is None or any(a is None for a in fake_args):
         fake_mode = detect_fake_mode(example_inputs)
         fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
         fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    num_tokens = None if sym else _static_token_count(example_inputs, kinds, config.token_dim)
+    num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)
     state = CaptureState.for_config(config)
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
@@ -166,10 +197,11 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         token_outputs=_token_outputs(gm, config.token_dim, sym, num_tokens),
         dynamic=bool(sym),
         names=names,
+        caller_inputs=caller,
     )
 
 
-def _static_token_count(example_inputs: list[Any], kinds: list[InputKind], token_dim: int) -> int | None:
+def _traced_token_count(example_inputs: list[Any], kinds: list[InputKind], token_dim: int) -> int | None:
     counts = {x.shape[token_dim] for x, k in zip(example_inputs, kinds)
               if k is InputKind.TOKENS and x.dim() > token_dim}
     return counts.pop() if len(counts) == 1 else None
