@@ -10,6 +10,7 @@ from typing import Any
 
 MODES = ("piecewise", "full", "none", "breakable", "auto")
 COMPILERS = ("inductor", "eager")
+TOKEN_MIXING = ("exact", "error", "pad")
 
 
 def default_capture_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -56,6 +57,15 @@ class Config:
             ``verify_tol`` (relative) is dropped to the no-graph path and reported. ``None``: on for the first
             captured size in ``mode="auto"``, off otherwise. Catches host values baked into a graph.
         verify_tol: relative error above which ``verify`` drops a size.
+        token_mixing: what to do when an op outside the split ops mixes rows over the token dimension (a mean
+            or softmax over tokens, a convolution along them, attention over all tokens computed in the graph:
+            padding would change its result). ``"exact"`` (default): graphs only for calls whose token count
+            is a capture size; other calls run the compiled pieces unpadded; one warning names the op and its
+            source line. ``"error"``: refuse to trace, naming the op. ``"pad"``: pad anyway (only when you know
+            the op named is token-wise after all).
+        static_inputs: names of tensor arguments that are not token-aligned (a cross-attention memory, a table):
+            never marked dynamic, never padded, even when their dim ``token_dim`` happens to equal the token count.
+            Tensors whose dim ``token_dim`` differs from the first tensor argument's are found by themselves.
         pool: a :class:`piecegraph.GraphPool` to share with other compiled models (their captures then reuse
             each other's freed memory; they must not replay at the same time); ``None`` makes a private one.
     """
@@ -73,6 +83,8 @@ class Config:
     emulate_graphs: bool = False
     verify: bool | None = None
     verify_tol: float = 1e-2
+    token_mixing: str = "exact"
+    static_inputs: tuple[str, ...] = ()
     pool: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +103,12 @@ class Config:
         tol = self.verify_tol
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
             raise ValueError(f"verify_tol={tol!r} must be a finite number >= 0 (a relative error, e.g. 1e-2)")
+        if self.token_mixing not in TOKEN_MIXING:
+            raise ValueError(f"token_mixing={self.token_mixing!r} is not one of {TOKEN_MIXING}")
+        names = (self.static_inputs,) if isinstance(self.static_inputs, str) else self.static_inputs
+        if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"static_inputs={self.static_inputs!r} must be argument names, e.g. ('memory',)")
+        object.__setattr__(self, "static_inputs", tuple(names))
         object.__setattr__(self, "split_ops", _split_ops(self.split_ops))
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))

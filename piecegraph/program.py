@@ -87,6 +87,7 @@ class Program:
     names: list[str]  # the placeholders' source names, for error messages
     single_output: bool = False  # breakable programs: the model returned one tensor, not a tuple
     caller_inputs: list[int] = field(default_factory=list)  # the caller's tensors (not module state)
+    token_mixing: list[Any] = field(default_factory=list)  # ops that make padding unsafe (trace/mixing.py)
 
     @property
     def num_pieces(self) -> int:

@@ -59,6 +59,10 @@ class FlatRunner:
         self.dropped: dict[int, float] = {}  # sizes whose replay disagreed with the no-graph run
         self.static_context = StaticContext(max(self.sizes, default=1)) if config.mode == "full" else None
         self.last_outputs: tuple[Any, ...] | None = None
+        # Padding would change an op's result: only exact capture sizes replay (trace/mixing.py says which op).
+        self.exact_sizes = bool(program.token_mixing)
+        if self.exact_sizes and self.graphs and not tracing:
+            self._warn_exact()
 
     # -- the call ---------------------------------------------------------------------------------------
     def __call__(self, *flat: Any) -> Any:
@@ -79,7 +83,7 @@ class FlatRunner:
             self.fallbacks += 1
             return self._run(flat)
         size = self.sizes[pos]
-        if size in self.dropped:
+        if size in self.dropped or (self.exact_sizes and size != n):
             self.fallbacks += 1
             return self._run(flat)
         padded = self._stage(flat, n, size)
@@ -226,7 +230,8 @@ class FlatRunner:
         return self.last_outputs
 
     def _verify(self, flat: Sequence[Any], n: int, size: int) -> Any:
-        """Replay ``size`` on token inputs rolled by one row and compare with the same program without graphs.
+        """Replay ``size`` on token inputs rolled by one row and compare with the same program without graphs,
+        unpadded (``n`` rows).
 
         On a mismatch beyond ``config.verify_tol`` the size is dropped (its graphs freed, later calls run without
         a graph) and a warning names it. Either way the real inputs run last, so side effects (a KV-cache write)
@@ -234,9 +239,11 @@ class FlatRunner:
         """
         td = self.config.token_dim
         replays = self.replays
-        staged = self._stage(rolled_token_inputs(flat, self.token_idx, n, td), n, size)
-        replayed = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(staged, n, size)]
-        error = rel_error(replayed, self._run(staged), n, td, self.program.token_outputs)
+        rolled = rolled_token_inputs(flat, self.token_idx, n, td)
+        replayed = [o.clone() if isinstance(o, torch.Tensor) else o
+                    for o in self._replay(self._stage(rolled, n, size), n, size)]
+        # Against the unpadded run: a padded reference would hide an op that mixes pad rows into real ones.
+        error = rel_error(replayed, self._run(rolled), n, td, self.program.token_outputs)
         if error <= self.config.verify_tol:
             log.info("piecegraph: verified size %d (rel. error %.2e)", size, error)
             outputs = self._replay(self._stage(flat, n, size), n, size)
@@ -254,6 +261,19 @@ class FlatRunner:
     def end_trace(self) -> None:
         """The trace call is over: later calls capture and replay."""
         self.tracing = False
+        if self.exact_sizes and self.graphs:
+            self._warn_exact()
+
+    def _warn_exact(self) -> None:
+        ops = self.program.token_mixing
+        more = f" and {len(ops) - 1} more" if len(ops) > 1 else ""
+        warnings.warn(
+            f"piecegraph: an op outside the split ops mixes rows over the token dimension, so padding a call to a "
+            f"capture size would change its result: {ops[0]}{more}. Only calls of exactly "
+            f"{list(self.sizes) or 'the traced'} tokens use graphs; other token counts run the compiled pieces "
+            "unpadded. Config(token_mixing='error') refuses such models instead.",
+            stacklevel=2,
+        )
 
     def label_inputs(self, names: Sequence[str]) -> None:
         """Name the inputs after the caller's arguments (error messages say ``input_ids``, not ``L['x']``)."""
@@ -298,6 +318,7 @@ class FlatRunner:
             "fallbacks": self.fallbacks,
             "moved_inputs": self.state.moved_inputs,
             "dropped_sizes": dict(self.dropped),
+            "token_mixing": [str(op) for op in self.program.token_mixing],
         }
 
 

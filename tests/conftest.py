@@ -3,6 +3,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# No per-example deadline: the examples compile and trace, and CI machines are shared (timing is not what the
+# property tests check). HYPOTHESIS_PROFILE=long runs many more examples (the long run a closing note reports).
+settings.register_profile("ci", deadline=None)
+settings.register_profile("long", deadline=None, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _RESULTS: dict[str, dict] = {}  # file name -> what the GPU tests recorded into it, this session
 

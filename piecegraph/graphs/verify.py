@@ -36,8 +36,9 @@ def rel_error(got: Sequence[Any], want: Sequence[Any], n: int, td: int, token_ou
 
 def dropped_warning(size: int, error: float, tol: float) -> str:
     return (
-        f"piecegraph: size {size} replayed on fresh inputs differs from the same model without graphs "
-        f"(rel. error {error:.2e} > verify_tol {tol}). Something read on the host at capture "
-        "time was baked into the graph (a CPU tensor's values, a Python number from the context?). This size "
-        "now runs without a graph; `piecegraph doctor` can locate the op."
+        f"piecegraph: size {size} replayed on fresh inputs differs from the same model without graphs and "
+        f"without padding (rel. error {error:.2e} > verify_tol {tol}). Something read on the host at capture "
+        "time was baked into the graph (a CPU tensor's values, a Python number from the context?), or an op "
+        "mixes the padded rows into the real ones. This size now runs without a graph; `piecegraph doctor` "
+        "can locate the op."
     )

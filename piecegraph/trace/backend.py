@@ -12,6 +12,7 @@ from ..config import Config
 from ..graphs.capture import GraphedPiece
 from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
+from .mixing import MixingOp, find_token_mixing
 from .split import split_graph
 
 log = logging.getLogger("piecegraph")
@@ -171,6 +172,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
         fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)
+    mixing = _token_mixing(gm, sym, config)
     state = CaptureState.for_config(config)
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
@@ -198,7 +200,23 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         dynamic=bool(sym),
         names=names,
         caller_inputs=caller,
+        token_mixing=mixing,
     )
+
+
+def _token_mixing(gm: torch.fx.GraphModule, sym: Any, config: Config) -> list[MixingOp]:
+    """The ops that make padding unsafe (none in a static trace: it only runs its own size); refused here under
+    ``token_mixing="error"``, ignored under ``"pad"``."""
+    if not sym or config.token_mixing == "pad":
+        return []
+    found = find_token_mixing(gm, sym)
+    if found and config.token_mixing == "error":
+        raise UnsupportedGraph(
+            f"{found[0]} mixes rows over the token dimension{f' (and {len(found) - 1} more ops)' if found[1:] else ''}"
+            "; padding a call to a capture size would change its result. Use Config(token_mixing='exact') to "
+            "capture exact token counts only, or move the op into a split op."
+        )
+    return found
 
 
 def _traced_token_count(example_inputs: list[Any], kinds: list[InputKind], token_dim: int) -> int | None:
