@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .program import ArgSpec, InputKind
+from .program import ArgSpec, InputKind, token_arguments
 
 log = logging.getLogger("piecegraph")
 
@@ -30,6 +30,13 @@ def fresh_entry() -> Callable[..., Any]:
     separate models must not share (and exhaust) one cache entry list."""
     code = _entry.__code__.replace(co_name=f"piecegraph_entry_{next(_ENTRIES)}")
     return types.FunctionType(code, _entry.__globals__, code.co_name)
+
+
+def trace_copies(values: dict[str, Any], td: int, static_inputs: tuple[str, ...]) -> dict[str, Any]:
+    """The arguments to trace with: each token input (:func:`~piecegraph.program.token_arguments`) a copy with
+    its token dim marked dynamic; every other argument as it is (static: its sizes are specialised)."""
+    tokens = token_arguments(values, td, static_inputs)
+    return {k: trace_copy(v, td) if k in tokens else v for k, v in values.items()}
 
 
 def trace_copy(value: Any, td: int) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .binding import Binding, fresh_entry, trace_copy
+from .binding import Binding, fresh_entry, trace_copies
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
@@ -176,7 +176,7 @@ class GraphedModule(torch.nn.Module):
         """Trace with Dynamo once, build the program, and bind the call's arguments to the graph's inputs.
 
         ``verify_sizes``: how many captured sizes each runner verifies (default: the config's ``verify``)."""
-        trace_values = {k: trace_copy(v, config.token_dim) for k, v in values.items()}
+        trace_values = trace_copies(values, config.token_dim, config.static_inputs)
         examples: list[list[Any]] = []
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

@@ -138,3 +138,22 @@ class ArgSpec:
                 f"input {self.name} has shape {tuple(value.shape)}; it was traced as {traced}"
                 + (" (only the token dimension may change)" if None in self.shape else " (a static input)")
             )
+
+
+def token_arguments(values: dict[str, Any], token_dim: int, static_inputs: tuple[str, ...] = ()) -> set[str]:
+    """The names of the call's token inputs: tensors whose dim ``token_dim`` equals the first such tensor's
+    (not named in ``static_inputs``). Any other tensor is a static input: never marked dynamic, never padded.
+
+    A static tensor whose size there happens to equal the token count cannot be told apart from one call; name it
+    in ``Config(static_inputs=...)``. Taken for a token input, it is still never silently wrong: a later call of
+    another token count fails naming it, and an op that mixes its rows is a token-mixing op (exact sizes only)."""
+    unknown = set(static_inputs) - set(values)
+    if unknown:
+        raise TypeError(f"Config.static_inputs names {sorted(unknown)}, which the model was not called with; "
+                        f"its arguments are {list(values)}")
+    candidates = [(k, v) for k, v in values.items()
+                  if isinstance(v, torch.Tensor) and v.dim() > token_dim and k not in static_inputs]
+    if not candidates:
+        return set()
+    n = candidates[0][1].shape[token_dim]
+    return {k for k, v in candidates if v.shape[token_dim] == n}

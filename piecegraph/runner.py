@@ -116,7 +116,9 @@ class FlatRunner:
             if c != n:
                 raise ValueError(
                     f"inputs {self.names[first]} and {self.names[i]} disagree on the token count "
-                    f"(dim {td}: {n} vs {c}); every token input needs the same number of rows"
+                    f"(dim {td}: {n} vs {c}); every token input needs the same number of rows. If "
+                    f"{self.names[i]} is not token-aligned (a memory, a table), name it in "
+                    f"Config(static_inputs=({self.names[i]!r},))"
                 )
         if n == 0:
             raise ValueError(f"input {self.names[first]} has no tokens (dim {td} is 0)")

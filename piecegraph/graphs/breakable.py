@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ops.split import op_name
-from ..program import CaptureState, InputKind, Phase, Program
+from ..program import CaptureState, InputKind, Phase, Program, token_arguments
 from .capture import copy_into, repair_rng_after_failed_capture, weak_alias
 
 _RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("piecegraph_breakable", default=None)
@@ -199,21 +199,18 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
 def build_breakable_program(model: torch.nn.Module, values: dict[str, Any], config: Any) -> Any:
     """A :class:`~piecegraph.program.Program` over the eager ``model`` for ``mode="breakable"``.
 
-    ``values`` are one call's arguments by name (bound positionally at every call). Tensors whose dim
-    ``config.token_dim`` matches the first tensor's are token inputs; the model runs once here, eagerly, to learn
+    ``values`` are one call's arguments by name (bound positionally at every call). Token inputs are chosen by
+    :func:`~piecegraph.program.token_arguments`; the model runs once here, eagerly, to learn
     which outputs carry the token dimension.
     """
     from ..ops.split import split_op_names
 
     td = config.token_dim
-    tensors = [v for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > td]
-    if not tensors:
+    tokens = token_arguments(values, td, config.static_inputs)
+    if not tokens:
         raise ValueError(f"mode='breakable' needs at least one tensor argument with a token dimension {td}")
-    n = tensors[0].shape[td]
-    kinds = [
-        InputKind.TOKENS if isinstance(v, torch.Tensor) and v.dim() > td and v.shape[td] == n else InputKind.STATIC
-        for v in values.values()
-    ]
+    n = values[next(k for k in values if k in tokens)].shape[td]
+    kinds = [InputKind.TOKENS if k in tokens else InputKind.STATIC for k in values]
     state = CaptureState.for_config(config)
     program = BreakableProgram(model, state, split_op_names(config.split_ops))
     with torch.no_grad():
