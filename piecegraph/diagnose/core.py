@@ -69,7 +69,10 @@ class _Stage:
 
     def __init__(self, model: Callable, inputs: tuple, kwargs: dict, context: Any, user_tops: set[str]):
         self.result: TraceResult = trace(model, inputs, kwargs, context)
-        self.findings: list[Finding] = attribute(self.result.breaks, CodeIndex(), user_tops)
+        index = CodeIndex()
+        if isinstance(model, torch.nn.Module):  # classes defined inside a function are reachable only this way
+            index.add_classes({type(m) for m in model.modules()})
+        self.findings: list[Finding] = attribute(self.result.breaks, index, user_tops)
         counts = count_calls(model, inputs, kwargs, context, self.findings)
         self.fixes: dict[int, Fix] = choose_fixes(self.findings, counts)
         self.findings = [f for g in group_findings(self.findings) for f in g]

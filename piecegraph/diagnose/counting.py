@@ -10,6 +10,7 @@ Constraint: a profile hook already installed (a profiler, a coverage tool) is su
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -20,6 +21,8 @@ from piecegraph.diagnose.attribute import Finding
 from piecegraph.diagnose.trace import run_under
 
 __all__ = ["CallCounts", "count_calls"]
+
+log = logging.getLogger("piecegraph")
 
 
 @dataclass
@@ -66,6 +69,8 @@ def count_calls(model: Callable, args: tuple, kwargs: dict, context: Any, findin
     threading.setprofile(hook)  # kernels launched from helper threads still count
     try:
         run_under(context, lambda: model(*args, **kwargs))
+    except Exception as err:  # noqa: BLE001  (a model that fails eagerly: its findings say so; counts stay partial)
+        log.info("piecegraph doctor: the counting run raised %s: %s", type(err).__name__, err)
     finally:
         sys.setprofile(previous)
         threading.setprofile(None)

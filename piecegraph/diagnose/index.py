@@ -28,6 +28,7 @@ class Located:
     alias: str  # the shortest importable name (``jitlib.scaled_add`` rather than ``jitlib.kernels.scaled_add``)
     cache: Optional[Callable]  # the functools.cache / lru_cache wrapper whose __wrapped__ this is, if any
     firstline: int
+    lastline: int = 0  # the last line its code spans (0: unknown)
 
 
 def _real(path: str) -> str:
@@ -59,10 +60,10 @@ class CodeIndex:
         for i, f in enumerate(found):
             if f.fn is fn:
                 if cache is not None:  # the cached wrapper was met after the bare function: record the cache
-                    found[i] = Located(f.fn, f.qualname, f.alias, cache, f.firstline)
+                    found[i] = Located(f.fn, f.qualname, f.alias, cache, f.firstline, f.lastline)
                 return
         qual = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', code.co_name)}"
-        found.append(Located(fn, qual, self._alias(fn, qual), cache, code.co_firstlineno))
+        found.append(Located(fn, qual, self._alias(fn, qual), cache, code.co_firstlineno, _last_line(code)))
 
     def _scan(self, mod_name: str, path: str) -> None:
         if mod_name in self._scanned:
@@ -82,6 +83,20 @@ class CodeIndex:
                     inner = getattr(m, "__wrapped__", None)  # a decorated function: its frames are the inner's
                     if inspect.isfunction(inner):
                         self._add(inner, None, path)
+
+    def add_classes(self, classes: set[type]) -> None:
+        """Index the methods of ``classes`` too (the model's own: a class defined inside a function is in no
+        module's namespace)."""
+        for cls in classes:
+            path = getattr(sys.modules.get(getattr(cls, "__module__", "")), "__file__", None)
+            if not isinstance(path, str):
+                continue
+            path = next((p for p, m in self.module_of_file.items() if m == cls.__module__), os.path.abspath(path))
+            self._scan(cls.__module__, path)
+            for member in vars(cls).values():
+                member = getattr(member, "__func__", member)
+                if inspect.isfunction(member):
+                    self._add(member, None, path)
 
     @staticmethod
     def _alias(fn: Callable, qual: str) -> str:
@@ -106,14 +121,21 @@ class CodeIndex:
         return found
 
     def function(self, file: str, name: str, line: int) -> Optional[Located]:
-        """The function whose code named ``name`` in ``file`` starts closest above ``line``."""
+        """The function named ``name`` in ``file`` whose code spans ``line`` (the innermost, when several do), or
+        None: a function the index cannot reach (a class defined inside a function) is never confused with
+        another of the same name above it."""
         mod_name = self.module(file)
         if mod_name is None:
             return None
         path = next((p for p, m in self.module_of_file.items() if m == mod_name), os.path.abspath(file))
         self._scan(mod_name, path)
-        candidates = [f for f in self.functions.get((path, name), []) if f.firstline <= line]
+        candidates = [f for f in self.functions.get((path, name), [])
+                      if f.firstline <= line <= (f.lastline or line)]
         return max(candidates, key=lambda f: f.firstline) if candidates else None
+
+
+def _last_line(code: Any) -> int:
+    return max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
 
 
 def top_level(module: Optional[str]) -> Optional[str]:

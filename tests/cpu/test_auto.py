@@ -110,3 +110,28 @@ def test_breakable_mode_on_cpu_emulated_matches_eager_across_buckets():
         torch.testing.assert_close(out, ref)
     stats = graphed.stats()
     assert stats["sizes"] == [2, 4] and stats["replays"] == 2 and stats["fallbacks"] == 1
+
+
+def _model_defined_in_a_function():
+    class Inner(torch.nn.Module):  # in no module's namespace; LoaderModel.forward above is another "forward"
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            import os
+
+            os.stat(".")  # a filesystem call Dynamo cannot trace, and no fix piecegraph knows
+            return self.a(x)
+
+    return Inner()
+
+
+def test_the_warning_names_a_class_defined_inside_a_function():
+    model = _model_defined_in_a_function()
+    graphed = piecegraph.compile(model, mode="auto", compiler="eager")
+    with pytest.warns(UserWarning, match="piecegraph auto") as record:
+        graphed(torch.randn(3, 8))
+    message = next(str(w.message) for w in record if "piecegraph auto" in str(w.message))
+    assert "_model_defined_in_a_function.<locals>.Inner.forward" in message, message
+    assert "LoaderModel" not in message and "JitModel" not in message
