@@ -34,9 +34,28 @@ def fresh_entry() -> Callable[..., Any]:
 
 def trace_copies(values: dict[str, Any], td: int, static_inputs: tuple[str, ...]) -> dict[str, Any]:
     """The arguments to trace with: each token input (:func:`~piecegraph.program.token_arguments`) a copy with
-    its token dim marked dynamic; every other argument as it is (static: its sizes are specialised)."""
+    its token dim marked dynamic; every other tensor a plain copy (static: its sizes are specialised), so the
+    trace run writes none of the caller's tensors; non-tensor arguments as they are (Dynamo guards on them)."""
     tokens = token_arguments(values, td, static_inputs)
-    return {k: trace_copy(v, td) if k in tokens else v for k, v in values.items()}
+    return {k: trace_copy(v, td) if k in tokens else v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in values.items()}
+
+
+def scratch_arguments(values: dict[str, Any]) -> dict[str, Any]:
+    """Copies of a call's arguments for piecegraph's own runs (prewarm, the breakable probe): tensors cloned,
+    other objects deep-copied where they can be (an object that cannot be copied is passed as it is)."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.clone()
+        else:
+            try:
+                out[k] = copy.deepcopy(v)
+            except Exception:  # noqa: BLE001
+                out[k] = v
+    return out
+
+
 
 
 def trace_copy(value: Any, td: int) -> Any:
@@ -105,6 +124,10 @@ class Binding:
                 log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
                 return None
         pack = packer(result, outputs)
+        if pack is not None and _side_outputs(result, outputs):
+            log.info("piecegraph: the graph also returns values the model stores elsewhere (an attribute assigned "
+                     "in forward); calls go through Dynamo, which applies them")
+            return None
         if pack is None:
             log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
             return None
@@ -164,6 +187,13 @@ class Binding:
         if spec.contiguous and not value.is_contiguous():
             value = value.contiguous()  # compiled code assumed the traced strides; a copy, never the caller's
         return value
+
+
+def _side_outputs(result: Any, outputs: tuple[Any, ...]) -> bool:
+    """Whether the graph returns tensors that are not part of the model's result: Dynamo's side effects (a
+    buffer re-assigned in forward), which only its own compiled code applies."""
+    returned = {id(t) for t in ([result] if isinstance(result, torch.Tensor) else result)}
+    return any(isinstance(o, torch.Tensor) and id(o) not in returned for o in outputs)
 
 
 def unpack_single(outputs: tuple[Any, ...]) -> Any:

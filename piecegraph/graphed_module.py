@@ -13,12 +13,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .binding import Binding, fresh_entry, trace_copies
+from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
+from .program import kept_buffers
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -160,17 +161,21 @@ class GraphedModule(torch.nn.Module):
 
     # -- setup ------------------------------------------------------------------------------------------
     def _setup(self, values: dict[str, Any]) -> None:
+        """Prewarm, trace (or probe), bind. Every run here is piecegraph's own: it runs on copies of the caller's
+        tensors, and the model's buffers are restored afterwards, so the call that follows is the only one the
+        caller's data and the model's visible state see."""
         mode = self.config.mode
         self._traced_training = self.model.training
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
-        if self.config.prewarm:
-            prewarm(self.model, **values)
-        if mode == "breakable":
-            self._setup_breakable(values, self.config)
-        elif mode == "auto":
-            self._setup_auto(values)
-        else:
-            self._trace(values, self.config)
+        with kept_buffers(self.model):
+            if self.config.prewarm:
+                prewarm(self.model, **scratch_arguments(values))
+            if mode == "breakable":
+                self._setup_breakable(values, self.config)
+            elif mode == "auto":
+                self._setup_auto(values)
+            else:
+                self._trace(values, self.config)
 
     def _trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None = None) -> None:
         """Trace with Dynamo once, build the program, and bind the call's arguments to the graph's inputs.
@@ -196,7 +201,7 @@ class GraphedModule(torch.nn.Module):
 
     def _setup_breakable(self, values: dict[str, Any], config: Config, graphs: bool | None = None) -> None:
         """No Dynamo: the eager model, captured in segments cut at split ops (see graphs/breakable.py)."""
-        program = build_breakable_program(self.model, values, config)
+        program = build_breakable_program(self.model, scratch_arguments(values), config)
         runner = FlatRunner(program, config, graphs=graphs)
         runner.stage_caller_statics(range(len(values)))  # every input is the caller's: none is a parameter
         self._runners.append(runner)
@@ -212,7 +217,7 @@ class GraphedModule(torch.nn.Module):
         fixes: list[str] = []
         summary = ""
         if error is not None:
-            fixes, summary = self._advisor.apply_fixes(self.model, values)
+            fixes, summary = self._advisor.apply_fixes(self.model, scratch_arguments(values))
             if fixes:
                 error = self._try_trace(values, config, verify_sizes)
                 summary = ""  # the blockers the fixes left are the ones to name
@@ -221,8 +226,11 @@ class GraphedModule(torch.nn.Module):
                 log.info("piecegraph auto: piecewise after applying %s", ", ".join(fixes))
             return
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
-        self._setup_breakable(values, config.replace(mode="breakable"), graphs=on_cuda)
-        summary = summary or self._advisor.summarize(self.model, values, error)
+        # Breakable capture cannot see token-mixing ops (there is no trace): verify each size against the
+        # unpadded run unless the caller said otherwise.
+        verify = True if self.config.verify is None else self.config.verify
+        self._setup_breakable(values, config.replace(mode="breakable", verify=verify), graphs=on_cuda)
+        summary = summary or self._advisor.summarize(self.model, scratch_arguments(values), error)
         warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
 
     def _try_trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None) -> Exception | None:

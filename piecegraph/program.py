@@ -7,9 +7,10 @@ runner calls it. A breakable program (``graphs/breakable.py``) has the same shap
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
@@ -88,6 +89,9 @@ class Program:
     single_output: bool = False  # breakable programs: the model returned one tensor, not a tuple
     caller_inputs: list[int] = field(default_factory=list)  # the caller's tensors (not module state)
     token_mixing: list[Any] = field(default_factory=list)  # ops that make padding unsafe (trace/mixing.py)
+    mutated_inputs: list[int] = field(default_factory=list)  # inputs the program writes in place
+    # Programs over an eager model (breakable) whose buffers are not inputs: keeps them across extra runs.
+    keep_state: Callable[[], ContextManager[None]] | None = None
 
     @property
     def num_pieces(self) -> int:
@@ -157,3 +161,17 @@ def token_arguments(values: dict[str, Any], token_dim: int, static_inputs: tuple
         return set()
     n = candidates[0][1].shape[token_dim]
     return {k for k, v in candidates if v.shape[token_dim] == n}
+
+
+@contextlib.contextmanager
+def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block the model may run any number of times; afterwards every buffer holds (and every buffer
+    slot points at) what it held before: a counter or BatchNorm's statistics count the caller's calls only."""
+    saved = [(m, name, buf, buf.clone()) for m in model.modules() for name, buf in m._buffers.items()
+             if buf is not None]
+    try:
+        yield
+    finally:
+        for module, name, buf, value in saved:
+            module._buffers[name] = buf  # a forward that re-assigned the buffer gets the original back
+            buf.copy_(value)

@@ -56,9 +56,13 @@ class FlatRunner:
         self.tracing = tracing
         self.graphs = config.mode in ("piecewise", "full", "breakable") if graphs is None else graphs
         self.verify_left = (float("inf") if config.verify else 0) if verify_sizes is None else verify_sizes
+        # Verifying every size also checks each size's first padded call (a size first met exactly was not).
+        self.verify_padded = self.verify_left == float("inf")
+        self.padded_checked: set[int] = set()
         self.dropped: dict[int, float] = {}  # sizes whose replay disagreed with the no-graph run
         self.static_context = StaticContext(max(self.sizes, default=1)) if config.mode == "full" else None
         self.last_outputs: tuple[Any, ...] | None = None
+        self.written: set[int] = set(program.mutated_inputs)  # inputs seen written: copied back to the caller
         # Padding would change an op's result: only exact capture sizes replay (trace/mixing.py says which op).
         self.exact_sizes = bool(program.token_mixing)
         if self.exact_sizes and self.graphs and not tracing:
@@ -88,12 +92,20 @@ class FlatRunner:
             return self._run(flat)
         padded = self._stage(flat, n, size)
         if size in self.capture_s:
+            if n < size and self.verify_padded and size not in self.padded_checked:
+                self._verify_padded(flat, padded, n, size)
+                if size in self.dropped:
+                    return self._finish(self._run(flat), n)
+                padded = self._stage(flat, n, size)
             outputs = self._replay(padded, n, size)
         else:
-            outputs = self._capture(padded, n, size)
-            if self.verify_left > 0:
-                self.verify_left -= 1
-                outputs = self._verify(flat, n, size)
+            self._first_use(flat, padded, n, size)
+            if size in self.dropped:  # verification failed: unpadded, on the caller's tensors
+                return self._finish(self._run(flat), n)
+            replays = self.replays
+            outputs = self._replay(self._stage(flat, n, size), n, size)
+            self.replays = replays  # the capturing call is not counted as a replay
+        self._write_back(flat, padded, n)
         return self._finish(outputs, n)
 
     def _run(self, flat: Sequence[Any]) -> Any:
@@ -166,8 +178,36 @@ class FlatRunner:
                 padded[i] = self.caller_statics[i]
         return padded
 
+    def _save_written(self, padded: Sequence[Any]) -> dict[int, torch.Tensor]:
+        """Copies of the inputs the program may write in place, before a size's extra runs: those the trace
+        shows written (trace/mutation.py); for a program over an eager model, every staged input (its module
+        state is kept by ``program.keep_state``)."""
+        idx = set(self.program.mutated_inputs)
+        if self.program.keep_state is not None:
+            idx |= set(self.token_idx) | set(self.caller_static_idx)
+        return {i: padded[i].clone() for i in sorted(idx) if isinstance(padded[i], torch.Tensor)}
+
+    def _extra_runs(self) -> contextlib.AbstractContextManager[None]:
+        keep = self.program.keep_state
+        return keep() if keep is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _restore(padded: Sequence[Any], saved: dict[int, torch.Tensor]) -> None:
+        for i, value in saved.items():
+            padded[i].copy_(value)
+
+    def _write_back(self, flat: Sequence[Any], padded: Sequence[Any], n: int) -> None:
+        """The model wrote a token input or a caller static in place: so does this call, into the caller's
+        tensor, as eager would (the graphs wrote piecegraph's staged copy)."""
+        td = self.config.token_dim
+        for i in self.written:
+            if i in self.token_idx:
+                flat[i].narrow(td, 0, n).copy_(padded[i].narrow(td, 0, n))
+            elif i in self.caller_static_idx and isinstance(flat[i], torch.Tensor):
+                flat[i].copy_(padded[i])
+
     # -- capture and replay -----------------------------------------------------------------------------
-    def _capture(self, padded: list[Any], n: int, size: int) -> Any:
+    def _capture(self, padded: list[Any], n: int, size: int, saved: dict[int, torch.Tensor]) -> Any:
         if not self.config.emulate_graphs and self.state.stream is None:
             # One pool and one side stream for every size: captured largest first, sizes share memory.
             self.state.pool, self.state.stream = (self.config.pool or GraphPool()).acquire()
@@ -183,11 +223,13 @@ class FlatRunner:
                 for _ in range(self.config.warmup_runs):
                     self.state.phase = Phase.WARMUP
                     self.program.call(*padded)
+                versions = _versions(padded, saved)
                 self.state.phase = Phase.CAPTURE
                 try:
                     return self.program.call(*padded)
                 finally:
                     self.state.phase = Phase.RUN
+                    self.written |= {i for i, v in versions.items() if padded[i]._version != v}
 
         outputs, seconds = timed_capture(capture)
         self.capture_s[size] = seconds
@@ -231,33 +273,53 @@ class FlatRunner:
         self.last_outputs = tuple(result)
         return self.last_outputs
 
-    def _verify(self, flat: Sequence[Any], n: int, size: int) -> Any:
-        """Replay ``size`` on token inputs rolled by one row and compare with the same program without graphs,
-        unpadded (``n`` rows).
+    def _first_use(self, flat: Sequence[Any], padded: list[Any], n: int, size: int) -> None:
+        """Capture ``size`` (after its warm-up runs) and verify it if asked. Every run here is piecegraph's own:
+        inputs the program writes and, for an eager model, its buffers are restored afterwards, so the replay
+        that follows is the call's only run."""
+        saved = self._save_written(padded)
+        with self._extra_runs():
+            self._capture(padded, n, size, saved)
+            self._restore(padded, saved)
+            if self.verify_left > 0:
+                self.verify_left -= 1
+                self._verify(flat, n, size, saved)
+                self._restore(padded, saved)
+                if n < size:
+                    self.padded_checked.add(size)
 
-        On a mismatch beyond ``config.verify_tol`` the size is dropped (its graphs freed, later calls run without
-        a graph) and a warning names it. Either way the real inputs run last, so side effects (a KV-cache write)
-        hold the real call's values; returns the real call's outputs. Verification replays are not counted.
-        """
+    def _verify_padded(self, flat: Sequence[Any], padded: list[Any], n: int, size: int) -> None:
+        """The first padded call of a size that was captured (and verified) at exactly its size."""
+        self.padded_checked.add(size)
+        saved = self._save_written(padded)
+        with self._extra_runs():
+            self._verify(flat, n, size, saved)
+            self._restore(padded, saved)
+
+    def _verify(self, flat: Sequence[Any], n: int, size: int, saved: dict[int, torch.Tensor]) -> None:
+        """Replay ``size`` on token inputs rolled by one row and compare with the same program without graphs,
+        unpadded (``n`` rows), both from the same state. On a mismatch beyond ``config.verify_tol`` the size is
+        dropped (its graphs freed, later calls run without a graph) and a warning names it. Verification
+        replays are not counted."""
         td = self.config.token_dim
         replays = self.replays
         rolled = rolled_token_inputs(flat, self.token_idx, n, td)
-        replayed = [o.clone() if isinstance(o, torch.Tensor) else o
-                    for o in self._replay(self._stage(rolled, n, size), n, size)]
+        staged = self._stage(rolled, n, size)
+        with self._extra_runs():
+            replayed = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(staged, n, size)]
+        self._restore(staged, saved)
+        self.replays = replays
         # Against the unpadded run: a padded reference would hide an op that mixes pad rows into real ones.
-        error = rel_error(replayed, self._run(rolled), n, td, self.program.token_outputs)
+        with self._extra_runs():
+            error = rel_error(replayed, self._run(rolled), n, td, self.program.token_outputs)
         if error <= self.config.verify_tol:
             log.info("piecegraph: verified size %d (rel. error %.2e)", size, error)
-            outputs = self._replay(self._stage(flat, n, size), n, size)
-            self.replays = replays
-            return outputs
-        self.replays = replays
+            return
         self.dropped[size] = error
         self.capture_s.pop(size, None)
         for piece in self.program.pieces:
             piece.captured.pop(size, None)
-        warnings.warn(dropped_warning(size, error, self.config.verify_tol), stacklevel=5)
-        return self._run(flat)
+        warnings.warn(dropped_warning(size, error, self.config.verify_tol), stacklevel=6)
 
     # -- management -------------------------------------------------------------------------------------
     def end_trace(self) -> None:
@@ -322,6 +384,11 @@ class FlatRunner:
             "dropped_sizes": dict(self.dropped),
             "token_mixing": [str(op) for op in self.program.token_mixing],
         }
+
+
+def _versions(padded: Sequence[Any], saved: dict[int, torch.Tensor]) -> dict[int, int]:
+    """Version counters of the saved inputs: an in-place write bumps them, even when it is only recorded."""
+    return {i: padded[i]._version for i in saved}
 
 
 def _buffer_like(x: torch.Tensor, td: int, largest: int) -> torch.Tensor:

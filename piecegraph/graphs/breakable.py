@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ops.split import op_name
-from ..program import CaptureState, InputKind, Phase, Program, token_arguments
+from ..program import CaptureState, InputKind, Phase, Program, kept_buffers, token_arguments
 from .capture import copy_into, repair_rng_after_failed_capture, weak_alias
 
 _RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("piecegraph_breakable", default=None)
@@ -220,4 +220,5 @@ def build_breakable_program(model: torch.nn.Module, values: dict[str, Any], conf
     return Program(
         call=program, state=state, pieces=[program], infos=[], kinds=kinds, token_outputs=token_outputs,
         dynamic=True, names=list(values), single_output=not isinstance(result, (tuple, list)),
+        keep_state=lambda: kept_buffers(model),
     )

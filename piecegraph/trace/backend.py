@@ -13,6 +13,7 @@ from ..graphs.capture import GraphedPiece
 from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
 from .mixing import MixingOp, find_token_mixing
+from .mutation import mutated_inputs
 from .split import split_graph
 
 log = logging.getLogger("piecegraph")
@@ -201,6 +202,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         names=names,
         caller_inputs=caller,
         token_mixing=mixing,
+        mutated_inputs=mutated_inputs(gm),
     )
 
 
