@@ -54,9 +54,13 @@ class Config:
             graph. Graph semantics (static addresses, padding, stale reads) without a GPU: for tests on CPU.
         verify: after capturing a size, replay it on fresh inputs (token inputs rolled by one along the token
             dimension) and compare with the same program run without graphs; a size off by more than
-            ``verify_tol`` (relative) is dropped to the no-graph path and reported. ``None``: on for the first
-            captured size in ``mode="auto"``, off otherwise. Catches host values baked into a graph.
-        verify_tol: relative error above which ``verify`` drops a size.
+            ``verify_tol`` (relative) is dropped to the no-graph path and reported; verifying every size also
+            checks each size's first padded call against the unpadded run. ``None``: on for the first captured
+            size in ``mode="auto"``, on for every size in ``mode="breakable"`` (which has no trace in which to
+            see token-mixing ops) and for auto's breakable fallback, off otherwise. Catches host values baked
+            into a graph and ops that mix padded rows into real ones.
+        verify_tol: relative error above which ``verify`` drops a size; ``None`` (default): 1e-4 when the outputs
+            are float32 or float64, 1e-2 for half precision (whose rounding differs between kernels).
         token_mixing: what to do when an op outside the split ops mixes rows over the token dimension (a mean
             or softmax over tokens, a convolution along them, attention over all tokens computed in the graph:
             padding would change its result). ``"exact"`` (default): graphs only for calls whose token count
@@ -82,7 +86,7 @@ class Config:
     prewarm: bool = True
     emulate_graphs: bool = False
     verify: bool | None = None
-    verify_tol: float = 1e-2
+    verify_tol: float | None = None
     token_mixing: str = "exact"
     static_inputs: tuple[str, ...] = ()
     pool: Any = field(default=None, compare=False)
@@ -101,7 +105,8 @@ class Config:
         if self.verify is not None and not isinstance(self.verify, bool):
             raise ValueError(f"verify={self.verify!r} must be True, False or None")
         tol = self.verify_tol
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
+                                or tol < 0):
             raise ValueError(f"verify_tol={tol!r} must be a finite number >= 0 (a relative error, e.g. 1e-2)")
         if self.token_mixing not in TOKEN_MIXING:
             raise ValueError(f"token_mixing={self.token_mixing!r} is not one of {TOKEN_MIXING}")

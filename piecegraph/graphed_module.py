@@ -170,8 +170,9 @@ class GraphedModule(torch.nn.Module):
         with kept_buffers(self.model):
             if self.config.prewarm:
                 prewarm(self.model, **scratch_arguments(values))
-            if mode == "breakable":
-                self._setup_breakable(values, self.config)
+            if mode == "breakable":  # no trace to see token-mixing ops in: verify unless told otherwise
+                verify = True if self.config.verify is None else self.config.verify
+                self._setup_breakable(values, self.config.replace(verify=verify))
             elif mode == "auto":
                 self._setup_auto(values)
             else:

@@ -14,7 +14,7 @@ from .config import Config
 from .context import current_forward_context, override_forward_context
 from .graphs.capture import GraphPool, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
-from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs
+from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs, verify_tolerance
 from .program import ArgSpec, InputKind, Phase, Program
 
 log = logging.getLogger("piecegraph")
@@ -312,14 +312,15 @@ class FlatRunner:
         # Against the unpadded run: a padded reference would hide an op that mixes pad rows into real ones.
         with self._extra_runs():
             error = rel_error(replayed, self._run(rolled), n, td, self.program.token_outputs)
-        if error <= self.config.verify_tol:
+        tol = verify_tolerance(self.config.verify_tol, replayed)
+        if error <= tol:
             log.info("piecegraph: verified size %d (rel. error %.2e)", size, error)
             return
         self.dropped[size] = error
         self.capture_s.pop(size, None)
         for piece in self.program.pieces:
             piece.captured.pop(size, None)
-        warnings.warn(dropped_warning(size, error, self.config.verify_tol), stacklevel=6)
+        warnings.warn(dropped_warning(size, error, tol), stacklevel=6)
 
     # -- management -------------------------------------------------------------------------------------
     def end_trace(self) -> None:

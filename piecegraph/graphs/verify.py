@@ -34,6 +34,14 @@ def rel_error(got: Sequence[Any], want: Sequence[Any], n: int, td: int, token_ou
     return worst
 
 
+def verify_tolerance(configured: float | None, outputs: Sequence[Any]) -> float:
+    """``configured``, or by the outputs' precision: 1e-4 for float32/float64, 1e-2 when any is half precision."""
+    if configured is not None:
+        return configured
+    half = any(isinstance(o, torch.Tensor) and o.dtype in (torch.float16, torch.bfloat16) for o in outputs)
+    return 1e-2 if half else 1e-4
+
+
 def dropped_warning(size: int, error: float, tol: float) -> str:
     return (
         f"piecegraph: size {size} replayed on fresh inputs differs from the same model without graphs and "
