@@ -7,7 +7,9 @@ see them. The symbolic token count of the trace tells which dimension of every i
 dimension; an op mixes when
 
 * a token tensor goes in and no output keeps a token dimension (a sum or mean over tokens, a scalar loss, ``x.T @
-  x``, ``torch.cat`` along tokens, ``x[-1]``), except picking rows by a non-negative index or an index tensor;
+  x``, ``x[-1]``), except picking rows by a non-negative index or an index tensor; a dimension of ``k`` times
+  the token count, from flattening ``[T, k]``, still is one (rows stay grouped per token);
+* it concatenates or repeats along the token dimension;
 * an output has two token dimensions (``q @ k.T`` over all tokens); or
 * a known shape-keeping op works along the token dimension (softmax, cumsum, sort, flip, roll, convolution and
   pooling over it, batch-norm in training, layer-norm over it, ``scaled_dot_product_attention`` over it).
@@ -78,6 +80,15 @@ def _mixes(node: torch.fx.Node, sym: Any) -> str | None:
             return None
         return "reduces over the token dimension"
     first, first_axes = inputs[0] if inputs else (None, [])
+    if name in ("cat", "concat", "concatenate"):
+        dim = _dim_arg(node, 1, 0)
+        if any(_axis(dim, t.dim()) in axes for t, axes in inputs):
+            return "concatenates along the token dimension"
+    if name in ("repeat", "tile") and first_axes:
+        reps = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (tuple, list)) else node.args[1]
+        reps = list(reps)[-first.dim():] if reps else []
+        if any(a < len(reps) and reps[a] != 1 for a in first_axes):
+            return "repeats along the token dimension"
     if name in _ALONG_DIM:
         dim = _dim_arg(node, *_ALONG_DIM[name])
         if dim is None or _axis(dim, first.dim()) in first_axes:
@@ -167,7 +178,16 @@ def _as_tuple(value: Any) -> tuple:
 
 
 def _token_axes(t: torch.Tensor, sym: Any) -> list[int]:
-    return [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and s.node.expr in sym]
+    """Axes whose size is the token count, or a multiple of it (``[T, K]`` flattened to ``[T * K]``: rows stay
+    grouped per token, so later ops on it are still followed)."""
+    return [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and _is_token_size(s.node.expr, sym)]
+
+
+def _is_token_size(expr: Any, sym: Any) -> bool:
+    if expr in sym:
+        return True
+    coeff, rest = expr.as_coeff_Mul() if hasattr(expr, "as_coeff_Mul") else (None, None)
+    return rest in sym and getattr(coeff, "is_Integer", False) and coeff > 0
 
 
 def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:

@@ -29,6 +29,8 @@ MIXING = {  # name -> (forward on x [T, 16], the op the finding must name)
     "gram": (lambda x: x @ (x.T @ x), "matmul"),
     "einsum_over_tokens": (lambda x: x * torch.einsum("td,td->d", x, x), "einsum"),
     "cat_tokens": (lambda x: torch.cat([x, x], 0)[: x.shape[0]] * 2, "cat"),
+    "sum_of_flattened": (lambda x: x * x.reshape(-1).sum(), "sum"),
+    "repeat_tokens": (lambda x: x.repeat(2, 1)[1:].view(-1)[: x.numel()].view(x.shape), "repeat"),
 }
 TOKEN_WISE = {
     "softmax_last": lambda x: torch.softmax(x, -1),
@@ -38,6 +40,7 @@ TOKEN_WISE = {
     "matmul_weights": lambda x: x @ torch.ones(16, 16),
     "einsum_per_token": lambda x: torch.einsum("td,de->te", x, torch.ones(16, 16)),
     "reshape_heads": lambda x: (x.view(x.shape[0], 4, 4).softmax(-1)).reshape(x.shape[0], 16),
+    "flatten_rows": lambda x: (x.reshape(-1) * 2).view(x.shape[0], 16),
 }
 
 
