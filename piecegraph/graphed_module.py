@@ -19,7 +19,7 @@ from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
-from .program import kept_buffers
+from .program import TokenCountMismatch, kept_buffers
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -89,6 +89,7 @@ class GraphedModule(torch.nn.Module):
         self._runners: list[FlatRunner] = []
         self._compiled: Callable[..., Any] | None = None
         self._binding: Binding | None = None  # None: calls go through Dynamo (or the eager model)
+        self._traced_counts: dict[str, int] = {}  # each tensor argument's dim token_dim at the trace
         self._stale = False
         _WATCH.watch(self)
 
@@ -125,7 +126,37 @@ class GraphedModule(torch.nn.Module):
                     raise
             if self._binding is None:
                 return self._compiled(**values)
+            try:
+                return self._binding.pack(self.runner(*self._binding.flatten(values)))
+            except TokenCountMismatch as err:
+                if not self._retrace_with_static(values, err):
+                    raise
             return self._binding.pack(self.runner(*self._binding.flatten(values)))
+
+    def _retrace_with_static(self, values: dict[str, Any], err: TokenCountMismatch) -> bool:
+        """A tensor taken for a token input on the first call (its dim ``token_dim`` happened to equal the token
+        count, a (1, D) row at one token) kept its size while the first token input's changed: it is static.
+        Trace again with it in ``Config.static_inputs``. Returns False when nothing explains the mismatch so."""
+        labels = self.runner.names
+        order = {name: i for i, name in enumerate(values)}
+        # The first token argument (in the signature) defines the token count, as token_arguments() decides.
+        first, *others = sorted(err.sizes, key=lambda i: order.get(labels[i], len(order)))
+        if err.sizes[first] == self._traced_counts.get(labels[first]):
+            return False  # the tokens kept their count: the other input is wrong, not static
+        kept = {labels[i] for i in others if err.sizes[i] == self._traced_counts.get(labels[i])}
+        if not kept or not kept <= set(values):
+            return False
+        log.warning("piecegraph: %s kept its size while the token count changed: a static input, not a token "
+                    "input; tracing again with Config(static_inputs=%r)", ", ".join(sorted(kept)),
+                    tuple(sorted(kept)))
+        self.config = self.config.replace(static_inputs=tuple(self.config.static_inputs) + tuple(sorted(kept)))
+        self._reset()
+        try:
+            self._setup(values)
+        except BaseException:
+            self._reset()
+            raise
+        return True
 
     def _model_changed(self) -> bool:
         """A trace is stale when the model switched train/eval mode or its parameters' structure changed.
@@ -166,6 +197,9 @@ class GraphedModule(torch.nn.Module):
         caller's data and the model's visible state see."""
         mode = self.config.mode
         self._traced_training = self.model.training
+        td = self.config.token_dim
+        self._traced_counts = {k: v.shape[td] for k, v in values.items()
+                               if isinstance(v, torch.Tensor) and v.dim() > td}
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
         with kept_buffers(self.model):
             if self.config.prewarm:

@@ -23,6 +23,14 @@ class InputKind(enum.Enum):
     STATIC = "static"  # parameters, buffers, constants: must keep their address across replays
 
 
+class TokenCountMismatch(ValueError):
+    """Token inputs of one call disagree on the token count: ``sizes`` maps each input's index to its count."""
+
+    def __init__(self, message: str, sizes: dict[int, int]):
+        super().__init__(message)
+        self.sizes = sizes
+
+
 class Phase(enum.Enum):
     """What the pieces do on the call in flight; the runner sets it before every call."""
 

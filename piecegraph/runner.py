@@ -15,7 +15,7 @@ from .context import current_forward_context, override_forward_context
 from .graphs.capture import GraphPool, capture_session, pool_bytes, timed_capture
 from .graphs.static_context import StaticContext
 from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs, verify_tolerance
-from .program import ArgSpec, InputKind, Phase, Program
+from .program import ArgSpec, InputKind, Phase, Program, TokenCountMismatch
 
 log = logging.getLogger("piecegraph")
 
@@ -126,11 +126,12 @@ class FlatRunner:
         n = counts[0]
         for i, c in zip(self.token_idx, counts):
             if c != n:
-                raise ValueError(
+                raise TokenCountMismatch(
                     f"inputs {self.names[first]} and {self.names[i]} disagree on the token count "
                     f"(dim {td}: {n} vs {c}); every token input needs the same number of rows. If "
                     f"{self.names[i]} is not token-aligned (a memory, a table), name it in "
-                    f"Config(static_inputs=({self.names[i]!r},))"
+                    f"Config(static_inputs=({self.names[i]!r},))",
+                    dict(zip(self.token_idx, counts)),
                 )
         if n == 0:
             raise ValueError(f"input {self.names[first]} has no tokens (dim {td} is 0)")
