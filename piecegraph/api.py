@@ -39,8 +39,25 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     Pass ``config=Config(...)`` for every option at once; a keyword option given explicitly always overrides its
     field (even when it equals the default), one left out keeps the config's value (``Config``'s defaults:
     ``mode="piecewise"``, ``max_tokens=512``, ``compiler="inductor"``).
+
+    A Hugging Face ``PreTrainedModel`` causal LM is wrapped first in :class:`piecegraph.hf.HFDecoder`: the
+    returned module takes flat ``(input_ids [T], positions [T])`` and returns hidden states (``.model.logits(h)``
+    for logits); the model's own forward and ``generate`` keep working as before.
     """
+    model = _hf_wrapped(model)
     given = {"mode": mode, "max_tokens": max_tokens, "compiler": compiler, "split_ops": split_ops,
              "capture_sizes": capture_sizes}
     fields = {k: (tuple(v) if k in ("split_ops", "capture_sizes") else v) for k, v in given.items() if v is not None}
     return GraphedModule(model, (config or Config()).replace(**fields, **options), advisor=DoctorAdvisor())
+
+
+def _hf_wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, or its :class:`~piecegraph.hf.HFDecoder` when it is a transformers ``PreTrainedModel``
+    (checked without importing transformers)."""
+    from .hf.model import is_hf_model
+
+    if not is_hf_model(model):
+        return model
+    from .hf.model import HFDecoder
+
+    return HFDecoder(model)

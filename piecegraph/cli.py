@@ -12,6 +12,7 @@ from rich.table import Table
 from piecegraph.bench.command import bench
 from piecegraph.cli_common import load_model, resolve_attention, resolve_device
 from piecegraph.diagnose.command import doctor
+from piecegraph.serve.command import serve_bench
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Piecewise CUDA graphs for PyTorch inference.")
 console = Console()
@@ -23,6 +24,10 @@ def demo(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     steps: int = typer.Option(16, min=2, help="tokens to generate per prompt"),
     attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
+    hf: str | None = typer.Option(None, "--hf", help="a local Hugging Face directory: run that transformers model "
+                                  "itself (piecegraph.hf), unmodified"),
+    engine: bool = typer.Option(False, "--engine", help="serve the prompts with the continuous-batching engine "
+                                "instead, and show which graph each step used"),
 ) -> None:
     """Generate greedily with eager and graphed models on a paged KV cache; check the tokens agree, show speed."""
     import piecegraph
@@ -30,10 +35,15 @@ def demo(
 
     device = resolve_device(device)
     backend = resolve_attention(attention, device)
-    model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
+    model = hf or (model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny"))
     # FlashInfer attends in bf16/fp16 only; the torch backend runs float32, where graphed tokens must be exact.
     dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
-    net = load_model(model, device, dtype)
+    net = load_model(model, device, dtype, hf=hf is not None)
+    if engine:  # the serving engine: prompts arriving over time, full graphs for decode, piecewise otherwise
+        from piecegraph.serve.demo import engine_demo
+
+        expected, got = engine_demo(net, steps, backend, graphs=device == "cuda", console=console)
+        return _report_agreement(expected, got, exact=dtype == torch.float32)
     prompts = [[11, 22, 33, 44, 55, 66, 77], [5, 4, 3], [100, 101, 102, 103, 104], [9]]
     prompts = [[t % net.config.vocab_size for t in p] for p in prompts]
     graphs = device == "cuda"
@@ -92,6 +102,7 @@ def _report_agreement(expected: list[list[int]], got: list[list[int]], exact: bo
 # Each stage owns its command; the CLI only registers them.
 app.command()(bench)
 app.command()(doctor)
+app.command(name="serve-bench")(serve_bench)
 
 if __name__ == "__main__":
     app()

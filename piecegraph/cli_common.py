@@ -45,13 +45,21 @@ def resolve_attention(attention: str, device: str) -> str:
     return attention
 
 
-def load_model(model: str, device: str, dtype: torch.dtype):
+def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False):
+    """``tiny``, ``qwen2.5-0.5b`` (random reference decoders) or a local checkpoint directory: the reference
+    decoder for Qwen2/Llama, unless ``hf`` (``--hf``) or another model type asks for the Hugging Face model
+    itself through :mod:`piecegraph.hf`."""
     from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, load_hf
 
     if model == "tiny":
         return Decoder.random(TINY, seed=0, dtype=dtype, device=device).eval()
     if model == "qwen2.5-0.5b":
         return Decoder.random(QWEN2_5_0_5B, seed=0, dtype=dtype, device=device).eval()
+    if Path(model).is_dir() and (hf or _needs_transformers(model)):
+        return _load_transformers(model, device, dtype)
+    if hf:
+        raise typer.BadParameter(f"{model!r} is not a local Hugging Face directory (--hf never downloads)",
+                                 param_hint="--hf")
     if Path(model).is_dir():
         try:
             return load_hf(model, dtype=dtype, device=device).eval()
@@ -60,3 +68,20 @@ def load_model(model: str, device: str, dtype: torch.dtype):
     raise typer.BadParameter(
         f"{model!r} is not 'tiny', 'qwen2.5-0.5b' or a local Hugging Face directory", param_hint="--model"
     )
+
+
+def _needs_transformers(path: str) -> bool:
+    """A checkpoint whose model type the reference decoder does not implement (Mistral, Gemma, MoE, ...)."""
+    from piecegraph.hf.load import read_model_type
+
+    kind = read_model_type(path)
+    return kind is not None and kind not in ("qwen2", "llama")
+
+
+def _load_transformers(path: str, device: str, dtype: torch.dtype):
+    from piecegraph.hf import load
+
+    try:
+        return load(path, dtype=dtype, device=device)
+    except (FileNotFoundError, ValueError, ImportError, OSError) as err:
+        raise typer.BadParameter(str(err).splitlines()[0], param_hint="--model") from None

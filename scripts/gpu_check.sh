@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on a CUDA machine: the GPU-marked tests, the opaque-op overhead, the doctor on a FlashInfer model, then the
 # benchmark sweep (scripts/gpu_bench.sh). Logs and JSON go under OUTDIR.
-# Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench" by default: pick a
-# subset to split the work over several calls). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
+# Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench serve" by default:
+# pick a subset to split the work over several calls). "serve" runs the serving benchmark (serve-bench) at
+# concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
 # installed first, for machines without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
 # again with xz, because its wheel is too big to carry) then also gets the parts asked for among tests (only
@@ -16,7 +17,7 @@ OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PIECEGRAPH_OUT="$OUT"
-PARTS=${PARTS:-"tests overhead attention-cost doctor bench"}
+PARTS=${PARTS:-"tests overhead attention-cost doctor bench serve"}
 shopt -s nullglob
 wheels=(.whl/*.whl)
 if [ ${#wheels[@]} -gt 0 ]; then
@@ -80,6 +81,13 @@ for tarball in "${tarballs[@]}"; do
 done
 if has bench; then
   bash scripts/gpu_bench.sh "$OUT" || status=1
+fi
+if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies
+  python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
+    --modes eager,breakable,piecewise,auto --concurrency 1,10,256,1024 --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
+    --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
+    --json "$OUT/serve_bench.json" --plot "$OUT/serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ -n "${BUNDLE:-}" ]; then  # one archive instead of many files: the device tool brings back at most 8
   tar -czf /tmp/pg-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/pg-results.tgz "$OUT/$BUNDLE"

@@ -69,6 +69,8 @@ def bench(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     attention: str = typer.Option("auto", help="attention backend of the paged KV caches: auto | torch | flashinfer "
                                   "(auto: FlashInfer on a GPU that has it, else torch)"),
+    hf: bool = typer.Option(False, "--hf", help="load --model PATH as the Hugging Face model itself "
+                            "(piecegraph.hf) instead of the reference decoder"),
 ) -> None:
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
     from piecegraph.bench.harness import environment
@@ -86,7 +88,7 @@ def bench(
     mode_list, spec = _modes(modes, device), _profile_spec(profile)
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
-    net = load_model(model, device, dtype)
+    net = load_model(model, device, dtype, hf=hf)
     _check_backend(net, backend)
     op_us = attention_op_us(net, backend, context)  # before the sweep: a sweep cut short still records it
     partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
@@ -140,7 +142,9 @@ def _check_backend(net: torch.nn.Module, backend: str) -> None:
 
     param = next(net.parameters())
     try:
-        KVCache(net.config, 2, dtype=param.dtype, device=param.device, backend=backend)
+        cache = KVCache(net.config, 2, dtype=param.dtype, device=param.device, backend=backend)
+        if hasattr(net, "check_backend"):  # a Hugging Face model: its layers' constants (windows, softcaps)
+            net.check_backend(cache.backend.name)
     except Exception as exc:  # noqa: BLE001  (whatever stops the backend, the user's fix is another --attention)
         raise typer.BadParameter(f"{backend!r} cannot run here: {type(exc).__name__}: {exc}",
                                  param_hint="--attention") from None

@@ -4,6 +4,8 @@
 forward context and hands the work to the cache's backend (``torch`` or ``flashinfer``). It is a split op:
 piecegraph cuts the graph there and runs it eagerly between captured pieces, or captures it too in
 ``mode="full"`` (pure decode steps, whose metadata is all token-aligned tensors or a backend's static buffers).
+Its last three arguments (``scale``, ``window``, ``softcap``; defaults: none) carry a layer's constants for
+Hugging Face models (``piecegraph.hf``); the reference decoder leaves them out, so it runs exactly as before.
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ from piecegraph.context import get_forward_context
 from piecegraph.ops.split import split_op
 
 
-def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
-    """Write the first n tokens' k, v into the cache, attend, fill ``out[:n]``, zero ``out[n:]``."""
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+                    scale: float = 0.0, window: int = -1, softcap: float = 0.0) -> None:
+    """Write the first n tokens' k, v into the cache, attend, fill ``out[:n]``, zero ``out[n:]``.
+
+    Per-layer constants (Hugging Face models pass them; the reference decoder leaves the defaults): ``scale``
+    (0: the backend's ``head_dim ** -0.5``), ``window`` (a sliding window: a query at position p sees keys at
+    positions > p - window; -1 or any window >= the cache's ``max_seq_len``: none, since it never excludes a key)
+    and ``softcap`` (0: none; else scores become ``softcap * tanh(scores / softcap)`` before the mask).
+    """
     meta = get_forward_context()
     cache = meta.cache
     n, total, dim = meta.num_tokens, q.shape[0], cache.head_dim
@@ -30,19 +39,34 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     # reshape, not view: a compiler may hand us non-contiguous strides
     heads_kv = cache.num_kv_heads
     target = rows.view(n, -1, dim)
+    extras = _extras(scale, window, softcap, cache.max_seq_len)
     cache.backend.forward(q.reshape(n, -1, dim), k.reshape(n, heads_kv, dim), v.reshape(n, heads_kv, dim), target,
-                          layer, meta)
+                          layer, meta, **extras)
     if total > n:
         out[n:].zero_()  # pad rows: zeros, never garbage that could leak into later pieces
 
 
-def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+def _extras(scale: float, window: int, softcap: float, max_seq_len: int) -> dict:
+    """The backend keyword arguments of the non-default constants only (the reference decoder passes none)."""
+    extras: dict = {}
+    if scale:
+        extras["scale"] = scale
+    if 0 < window < max_seq_len:
+        extras["window"] = window
+    if softcap:
+        extras["softcap"] = softcap
+    return extras
+
+
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+                    scale: float = 0.0, window: int = -1, softcap: float = 0.0) -> None:
     return None
 
 
 # "DEF", not "FRAGMENT": FRAGMENT registration before Inductor's first import broke torch.compile on torch 2.11.
 _LIB = torch.library.Library("piecegraph_models", "DEF")
-_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer) -> ()")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer, float scale=0., int window=-1, "
+            "float softcap=0.) -> ()")
 for _key in ("CPU", "CUDA"):
     _LIB.impl("attention", _attention_impl, _key)
 torch.library.register_fake("piecegraph_models::attention", _attention_fake, lib=_LIB)

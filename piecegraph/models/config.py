@@ -77,7 +77,10 @@ class ModelConfig:
         to ``hidden_size // num_attention_heads`` and ``num_key_value_heads`` to ``num_attention_heads``.
         ``max_seq_len`` (only the KV cache's default length) defaults to ``max_position_embeddings`` capped at
         ``_MAX_DEFAULT_CACHE_LEN``: a 32k default would make every cache, and the decode path's gather, huge.
-        Raises ``ValueError`` naming the missing key or an unsupported ``model_type``.
+        RoPE theta is read from ``rope_parameters`` (where transformers 5 writes it) or the top-level
+        ``rope_theta`` (older files). Raises ``ValueError`` naming the missing key, an unsupported ``model_type``,
+        or a feature the reference decoder does not compute (RoPE scaling such as ``llama3`` or ``yarn``, MLP
+        biases, another activation, an active sliding window): such checkpoints run with ``piecegraph.hf.load``.
         """
         model_type = hf.get("model_type", "qwen2")
         if model_type not in _SUPPORTED_MODEL_TYPES:
@@ -87,6 +90,7 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json lacks required key {key!r} (model_type {model_type!r})")
+        _refuse_unsupported(hf, model_type)
         heads = hf["num_attention_heads"]
         qkv_bias = True if model_type == "qwen2" else bool(hf.get("attention_bias", False))
         return cls(
@@ -98,7 +102,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=_rope_theta(hf),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             max_seq_len=max_seq_len or min(int(hf.get("max_position_embeddings", 2048)), _MAX_DEFAULT_CACHE_LEN),
@@ -123,11 +127,43 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_eps,
-            "rope_theta": self.rope_theta,
+            "rope_theta": self.rope_theta,  # transformers < 5 reads this one, 5 reads rope_parameters
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_seq_len,
             "hidden_act": "silu",
         }
+
+
+def _rope_parameters(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """RoPE settings: transformers 5's ``rope_parameters``, else the older ``rope_scaling`` (may be None)."""
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    theta = _rope_parameters(hf).get("rope_theta")
+    return float(theta if theta is not None else hf.get("rope_theta", 10000.0))
+
+
+def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
+    """Raise ``ValueError`` for a config.json whose model the reference decoder would compute wrong."""
+    rope = _rope_parameters(hf)
+    if any(isinstance(v, Mapping) for v in rope.values()):
+        raise ValueError(f"config.json ({model_type}) has per-layer-type rope_parameters {sorted(rope)}; the "
+                         "reference decoder has one RoPE: load it with piecegraph.hf.load")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    problems = []
+    if rope_type not in (None, "default"):
+        problems.append(f"RoPE scaling rope_type={rope_type!r}")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r}")
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        problems.append(f"a sliding window of {hf['sliding_window']}")
+    if problems:
+        raise ValueError(f"config.json ({model_type}) has {', '.join(problems)}, which the reference decoder does "
+                         "not compute; load it with piecegraph.hf.load (Hugging Face's own layers) instead")
 
 
 TINY = ModelConfig(

@@ -77,6 +77,9 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.de
         model = Decoder(config)
     expected = {name: p for name, p in model.named_parameters()}  # tied lm_head appears once, as the embedding
     missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
+    if unexpected and all(n.endswith("o_proj.bias") for n in unexpected):
+        raise ValueError(f"{path} has o_proj biases (Llama's attention_bias=true biases o_proj too), which the "
+                         "reference decoder does not have; load it with piecegraph.hf.load instead")
     if missing or unexpected:
         raise ValueError(
             f"weights in {path} do not match the {config.num_layers}-layer decoder its config.json describes: "

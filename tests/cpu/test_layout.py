@@ -20,10 +20,12 @@ STAGES = [
     ("runner",),  # buckets, padding, capture and replay of a Program
     ("binding", "graphed_module", "dynamo_backend"),  # GraphedModule, its binding, the Dynamo backend
     ("models",),  # the reference decoder, paged KV cache, attention backends
+    ("hf",),  # Hugging Face decoders through piecegraph's attention (on models and the engine)
     ("cli_common",),  # what the commands share: device, attention, model and output-file checks
     ("diagnose",),  # the doctor
     ("api",),  # piecegraph.compile (engine + the doctor's advice)
     ("__init__",),  # the package's public names
+    ("serve",),  # continuous batching: scheduler, pages, per-step dispatch of full/piecewise graphs; serve-bench
     ("bench", "cli"),  # benchmark and command line
 ]
 RANK = {name: i for i, names in enumerate(STAGES) for name in names}

@@ -29,9 +29,13 @@ class AttentionBackend(Protocol):
         """Fill ``meta``'s backend fields for its step (host work; may copy to the device, never syncs)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
-                meta: "AttentionMetadata") -> None:
+                meta: "AttentionMetadata", **constants: Any) -> None:
         """Write ``k``, ``v`` ``[n, Hkv, D]`` into the cache at ``meta.slot_mapping``, attend with ``q``
-        ``[n, H, D]`` (causal by position), and fill ``out`` ``[n, H, D]``. ``n = meta.num_tokens``."""
+        ``[n, H, D]`` (causal by position), and fill ``out`` ``[n, H, D]``. ``n = meta.num_tokens``.
+
+        ``constants`` are passed only when a layer needs them (Hugging Face models): ``scale`` (else
+        ``head_dim ** -0.5``), ``window`` (sliding window), ``softcap`` (tanh logit cap). A backend that cannot
+        honour one raises ``ValueError`` saying so, never attends without it."""
 
     def for_cuda_graph(self, meta: "AttentionMetadata", size: int) -> "AttentionMetadata":
         """The decode metadata a full graph of ``size`` rows reads (``meta`` itself if zero padding is enough)."""

@@ -223,8 +223,15 @@ class FlashInferBackend:
 
     # -- the op (inside the split op, per layer) --------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
-                meta: AttentionMetadata) -> None:
+                meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
+                softcap: float | None = None) -> None:
         cache, plan = meta.cache, meta.plan
+        if window is not None or softcap is not None or (scale is not None and scale != self.scale):
+            raise ValueError(
+                f"flashinfer attention plans one softmax scale ({self.scale}) for every layer and no sliding window "
+                f"or logit softcap; layer {layer} asks for scale={scale}, window={window}, softcap={softcap}. "
+                "Use attention_backend='torch' (or a KV cache whose max_seq_len is <= the window)."
+            )
         if q.dtype != cache.dtype:
             raise ValueError(f"flashinfer attention: q is {q.dtype} but the KV cache is {cache.dtype}; FlashInfer "
                              f"plans one dtype for both: build the cache with dtype={q.dtype}")

@@ -39,6 +39,7 @@ class Group:
     mask: torch.Tensor
     token_index: torch.Tensor
     out_index: torch.Tensor
+    qpos: torch.Tensor | None = None  # [batch, 1, 1, qmax, 1]: each padded query's position (sliding windows)
 
 
 class TorchBackend:
@@ -87,15 +88,19 @@ class TorchBackend:
         mask = torch.zeros(batch, 1, self.group, qmax, length, dtype=dtype, device=device)
         mask.masked_fill_(keys > qpos, float("-inf"))  # causal by position; later keys are not written yet
         return Group(batch, qmax, dev["q_index"], dev["page_table"].view(batch, width),
-                     mask.view(batch, 1, self.group * qmax, length), dev["token_index"], dev["out_index"])
+                     mask.view(batch, 1, self.group * qmax, length), dev["token_index"], dev["out_index"], qpos)
 
     def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
         return meta  # every decode field is token-aligned: piecegraph's zero padding is harmless
 
     # -- the op (inside the split op, per layer) --------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
-                meta: AttentionMetadata) -> None:
+                meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
+                softcap: float | None = None) -> None:
+        """See :class:`~piecegraph.models.backends.AttentionBackend`. ``scale`` overrides ``head_dim ** -0.5``;
+        ``window`` hides keys at positions <= the query's minus ``window``; ``softcap`` caps scores with tanh."""
         cache = meta.cache
+        extra = {"scale": scale or self.scale, "softcap": softcap}
         kc, vc = cache.k[layer], cache.v[layer]
         heads_kv, dim = cache.num_kv_heads, cache.head_dim
         # One index_copy per tensor; pad tokens (slot 0) all land on the scratch page, harmlessly.
@@ -103,22 +108,39 @@ class TorchBackend:
         vc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         if meta.is_decode:
             n = q.shape[0]
-            o = self._attend(q.view(n, heads_kv, self.group, dim), kc, vc, meta.page_table, meta.mask)
+            mask = meta.mask if window is None else _windowed(meta.mask, (meta.kv_lens - 1).view(n, 1, 1, 1), window)
+            o = self._attend(q.view(n, heads_kv, self.group, dim), kc, vc, meta.page_table, mask, **extra)
             out.copy_(o.reshape(n, -1, dim))
             return
         for g in meta.plan:
             qg = q.index_select(0, g.q_index).view(g.batch, g.qmax, heads_kv, self.group, dim)
             qg = qg.permute(0, 2, 3, 1, 4).reshape(g.batch, heads_kv, self.group * g.qmax, dim)
-            o = self._attend(qg, kc, vc, g.page_table, g.mask)
+            mask = g.mask
+            if window is not None:
+                shape = (g.batch, 1, self.group, g.qmax, mask.shape[-1])
+                mask = _windowed(mask.view(shape), g.qpos, window).view(mask.shape)
+            o = self._attend(qg, kc, vc, g.page_table, mask, **extra)
             o = o.view(g.batch, heads_kv, self.group, g.qmax, dim).permute(0, 3, 1, 2, 4)
             o = o.reshape(g.batch * g.qmax, heads_kv * self.group, dim)
             out.index_copy_(0, g.token_index, o.index_select(0, g.out_index))
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, page_table: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         """``q`` ``[B, Hkv, M, D]`` against the pages of ``page_table`` ``[B, W]``; ``mask`` ``[B, 1, M|1, L]``."""
         batch, width = page_table.shape
         length = width * kc.shape[1]
         keys = kc[page_table].view(batch, length, kc.shape[2], kc.shape[3]).transpose(1, 2).to(q.dtype)
         values = vc[page_table].view(batch, length, vc.shape[2], vc.shape[3]).transpose(1, 2).to(q.dtype)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=self.scale)
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=scale)
+        # SDPA has no softcap: scores, tanh cap, mask, float32 softmax, as Hugging Face's eager attention does
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + mask.to(q.dtype)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def _windowed(mask: torch.Tensor, qpos: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` with -inf where a key's position is <= the query's (``qpos``, broadcast over the last dim)
+    minus ``window``: a sliding window (Hugging Face's ``kv_idx > q_idx - sliding_window``). Out of place."""
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    return mask.masked_fill(keys <= qpos - window, float("-inf"))

@@ -1,0 +1,28 @@
+"""Hugging Face decoders with piecewise graphs, unmodified: piecegraph's attention through ``AttentionInterface``.
+
+``HFDecoder(hf_model)`` (or ``piecegraph.compile(hf_model)``, which wraps a ``PreTrainedModel`` itself) runs an
+unmodified ``transformers`` causal LM over flat tokens on piecegraph's paged KV cache: its attention calls the
+split op ``piecegraph_models::attention``, so the graph splits into ``num_layers + 1`` pieces.
+``generate(hf_model, prompts, max_new_tokens)`` is greedy generation with packed piecewise prefill and
+full-graph decode. Importing this package does not import transformers.
+"""
+
+from piecegraph.hf.arch import SUPPORTED, UnsupportedModelError, cache_config, check_supported
+from piecegraph.hf.generate import Session, eos_ids, generate, wrap
+from piecegraph.hf.load import load, read_model_type
+from piecegraph.hf.model import HFDecoder, is_hf_model
+
+__all__ = [
+    "HFDecoder",
+    "SUPPORTED",
+    "Session",
+    "UnsupportedModelError",
+    "cache_config",
+    "check_supported",
+    "eos_ids",
+    "generate",
+    "is_hf_model",
+    "load",
+    "read_model_type",
+    "wrap",
+]

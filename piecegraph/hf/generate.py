@@ -1,0 +1,152 @@
+"""Greedy generation for Hugging Face decoders: packed piecewise prefill, full-graph decode, one graph pool.
+
+A :class:`Session` holds what must live across calls: the wrapped model, one paged KV cache (full graphs bake
+the cache they captured with), the compiled prefill and decode modules and their shared
+:class:`~piecegraph.GraphPool`. :func:`generate` makes a session for one call; keep a session to generate
+again without tracing, compiling and capturing anew.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from piecegraph.config import Config, default_capture_sizes
+from piecegraph.context import forward_context
+from piecegraph.graphed_module import GraphedModule
+from piecegraph.graphs.capture import GraphPool
+from piecegraph.hf.model import HFDecoder
+from piecegraph.models.generate import device_dtype
+from piecegraph.models.kv_cache import KVCache
+from piecegraph.models.metadata import AttentionMetadata
+
+MODES = ("graphs", "none", "eager")
+
+
+def wrap(model: Any, **options: Any) -> HFDecoder:
+    """``model`` itself when it is an :class:`HFDecoder`, else ``HFDecoder(model, **options)``."""
+    return model if isinstance(model, HFDecoder) else HFDecoder(model, **options)
+
+
+def eos_ids(model: HFDecoder, eos_token_id: int | Iterable[int] | None = None) -> set[int]:
+    """The EOS ids to stop at: ``eos_token_id`` if given, else the model's ``generation_config`` (as
+    Hugging Face's ``generate`` does), else its config's; empty when none is known."""
+    value = eos_token_id
+    if value is None:
+        gen = getattr(model.hf, "generation_config", None)
+        value = getattr(gen, "eos_token_id", None)
+        if value is None:
+            value = getattr(model.hf_config, "eos_token_id", None)
+    if value is None:
+        return set()
+    return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+
+class Session:
+    """A model ready to generate for up to ``max_seqs`` sequences of up to ``max_len`` tokens.
+
+    ``mode``: ``"graphs"`` (piecewise prefill, full-graph decode: CUDA graphs on a GPU; on CPU they fall back to
+    compiled pieces with a warning unless ``emulate_graphs``), ``"none"`` (compiled pieces, no graphs) or
+    ``"eager"`` (the wrapped model as it is). ``prefill_tokens`` is the largest captured prefill (larger ones
+    run the compiled pieces without graphs). ``backend`` is the KV cache's attention backend (``auto``:
+    FlashInfer on a GPU that has it, for bf16/fp16); a backend the model's layers cannot use is refused naming
+    its model type. Every other keyword is a :class:`piecegraph.Config` field of both compiled modules
+    (a mixture of experts on ``grouped_mm`` / ``batched_mm`` defaults to ``token_mixing="pad"``: those experts
+    are row-wise, so padded calls replay graphs of every capture size).
+    """
+
+    def __init__(self, model: Any, *, max_seqs: int, max_len: int, mode: str = "graphs",
+                 prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, **options: Any) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        self.model = wrap(model)
+        device, dtype = device_dtype(self.model)
+        self.cache = KVCache.for_sequences(self.model.config, max_seqs, max_len, page_size, dtype=dtype,
+                                           device=device, backend=backend)
+        self.model.check_backend(self.cache.backend.name)
+        self.pool = GraphPool()
+        self.mode = mode
+        if mode == "eager":
+            self.prefill = self.decode = self.model
+            return
+        graphs = mode == "graphs"
+        if self.model.row_wise_experts and "token_mixing" in Config.__dataclass_fields__:
+            # The token-mixing check flags the experts' flatten of (token, k) pairs; they are row-wise (see
+            # HFDecoder), so pad to capture sizes instead of capturing exact token counts only.
+            options.setdefault("token_mixing", "pad")
+        base = Config(pool=self.pool, **options)
+        self.prefill = GraphedModule(self.model, base.replace(mode="piecewise" if graphs else "none",
+                                                              max_tokens=prefill_tokens))
+        self.decode = GraphedModule(self.model, base.replace(mode="full" if graphs else "none",
+                                                             capture_sizes=default_capture_sizes(max_seqs)))
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: int | Iterable[int] | None = None) -> list[list[int]]:
+        """Greedy new tokens per prompt: ``max_new_tokens`` each, or fewer when one is an EOS id (which is
+        kept, as Hugging Face keeps it). One packed prefill of every prompt, then decode steps over the
+        sequences still running; each finished sequence's pages are freed at once."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
+        if max_new_tokens <= 0:
+            return [[] for _ in prompts]
+        stop = eos_ids(self.model, eos_token_id)
+        ids = [("hf.generate", i) for i in range(len(prompts))]
+        device = self.cache.device
+        out: list[list[int]] = [[] for _ in prompts]
+        try:
+            meta = AttentionMetadata.for_batch(self.cache, [(s, 0, len(p)) for s, p in zip(ids, prompts)])
+            input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
+            with forward_context(meta):
+                hidden = self.prefill(input_ids, meta.positions)
+            ends = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
+            tokens = self.model.logits(hidden[ends]).argmax(-1)
+            active = list(range(len(prompts)))
+            while True:
+                active = self._record(tokens.tolist(), active, out, stop, max_new_tokens, ids)
+                if not active:
+                    break
+                meta = AttentionMetadata.for_decode(
+                    self.cache, [(ids[i], len(prompts[i]) + len(out[i]) - 1) for i in active])
+                step_ids = torch.tensor([out[i][-1] for i in active], dtype=torch.int64, device=device)
+                with forward_context(meta):
+                    hidden = self.decode(step_ids, meta.positions)
+                tokens = self.model.logits(hidden[: len(active)]).argmax(-1)
+        finally:
+            for s in ids:
+                if s in self.cache.sequences():
+                    self.cache.free(s)
+        return out
+
+    def _record(self, tokens: list[int], active: list[int], out: list[list[int]], stop: set[int],
+                limit: int, ids: list) -> list[int]:
+        """Append each active sequence's token; return those still running (freeing the others' pages)."""
+        running = []
+        for i, token in zip(active, tokens):
+            out[i].append(token)
+            if token in stop or len(out[i]) >= limit:
+                self.cache.free(ids[i])
+            else:
+                running.append(i)
+        return running
+
+
+def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             eos_token_id: int | Iterable[int] | None = None, mode: str = "graphs", **options: Any
+             ) -> list[list[int]]:
+    """Greedy-decode ``prompts`` (token id lists) with a Hugging Face causal LM (or an :class:`HFDecoder`).
+
+    Returns the new tokens per prompt, stopping at ``max_new_tokens`` or an EOS id (default: the model's
+    ``generation_config.eos_token_id``, as Hugging Face's ``generate``; the EOS token is included). ``mode`` and
+    ``options`` are :class:`Session`'s (e.g. ``emulate_graphs=True``, ``compiler="eager"``, ``backend="torch"``).
+    Builds a :class:`Session` for this call: tracing, compiling and capturing included.
+
+    Example::
+
+        hf = AutoModelForCausalLM.from_pretrained("path/to/qwen2", dtype=torch.bfloat16).cuda()
+        tokens = piecegraph.hf.generate(hf, [[1, 2, 3], [4, 5]], max_new_tokens=32)
+    """
+    longest = max((len(p) for p in prompts), default=1) + max(max_new_tokens, 1)
+    session = Session(model, max_seqs=max(len(prompts), 1), max_len=longest, mode=mode, **options)
+    return session.generate(prompts, max_new_tokens, eos_token_id)

@@ -1,0 +1,168 @@
+"""The serving benchmark: seeded random requests, closed-loop clients per concurrency, latency and throughput.
+
+Closed loop: ``concurrency`` clients each keep one request in flight; when one finishes, its client submits the
+next, until ``num_requests`` are done. Times are wall seconds on the host (``time.perf_counter``) taken when a
+step's tokens reach the host, which is a device sync on a GPU (the tokens are copied back every step), so
+TTFT and ITL are what a client would see. TTFT = first token - arrival; ITL = the gaps between a request's
+consecutive tokens, pooled over requests.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from piecegraph.context import forward_context
+from piecegraph.models.metadata import AttentionMetadata
+from piecegraph.serve.engine import Engine
+from piecegraph.serve.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Random prompts and output lengths like the peers' ``random`` dataset: lengths uniform in
+    ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` (at least 1), token ids uniform, all from ``seed``."""
+
+    input_len: int = 512
+    output_len: int = 128
+    range_ratio: float = 0.25
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError(f"Workload lengths must be >= 1, got input {self.input_len}, output {self.output_len}")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"Workload.range_ratio={self.range_ratio!r} must be in [0, 1)")
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        return max(1, math.floor(length * (1 - self.range_ratio))), math.ceil(length * (1 + self.range_ratio))
+
+    @property
+    def max_len(self) -> int:
+        """The longest request (prompt + output) it can draw."""
+        return self.bounds(self.input_len)[1] + self.bounds(self.output_len)[1]
+
+    def requests(self, n: int, vocab_size: int, salt: int = 0) -> list[tuple[list[int], int]]:
+        """``n`` ``(prompt, max_new_tokens)`` pairs; ``salt`` gives other draws of the same distribution."""
+        rng = random.Random(self.seed * 7919 + salt)
+        out = []
+        for _ in range(n):
+            prompt_len = rng.randint(*self.bounds(self.input_len))
+            prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
+            out.append((prompt, rng.randint(*self.bounds(self.output_len))))
+        return out
+
+
+def requests_for(concurrency: int, rounds: float, min_requests: int, max_requests: int) -> int:
+    """Requests to run at ``concurrency``: ``rounds`` per client, within ``[min_requests, max_requests]``, and
+    never fewer than the clients (every client gets one)."""
+    return max(concurrency, min(max(min_requests, math.ceil(rounds * concurrency)), max_requests))
+
+
+def closed_loop(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: int) -> list[Request]:
+    """Run ``work`` through ``engine`` with ``concurrency`` clients; returns the finished requests in order."""
+    todo, done = deque(work), []
+
+    def submit() -> None:
+        prompt, max_new = todo.popleft()
+        engine.add_request(prompt, SamplingParams(max_new_tokens=max_new))
+
+    for _ in range(min(concurrency, len(todo))):
+        submit()
+    while engine.has_work():
+        for request in engine.step():
+            done.append(request)
+            if todo:
+                submit()
+    return done
+
+
+def _dist(values: Sequence[float], prefix: str) -> dict[str, float | None]:
+    if not values:
+        return {f"{prefix}_mean_ms": None, f"{prefix}_p50_ms": None, f"{prefix}_p99_ms": None}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return {f"{prefix}_mean_ms": 1e3 * sum(ordered) / len(ordered), f"{prefix}_p50_ms": 1e3 * pct(0.5),
+            f"{prefix}_p99_ms": 1e3 * pct(0.99)}
+
+
+def metrics(requests: Sequence[Request], seconds: float) -> dict[str, Any]:
+    """Request and token throughput, TTFT and ITL distributions of finished ``requests`` over ``seconds``."""
+    outputs = sum(len(r.output) for r in requests)
+    prompts = sum(len(r.prompt) for r in requests)
+    ttft = [r.first_token - r.arrival for r in requests if r.first_token is not None]
+    itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    return {
+        "requests": len(requests), "duration_s": seconds, "prompt_tokens": prompts, "output_tokens": outputs,
+        "request_throughput": len(requests) / seconds, "output_tok_s": outputs / seconds,
+        "total_tok_s": (prompts + outputs) / seconds, **_dist(ttft, "ttft"), **_dist(itl, "itl"),
+        "preempted_requests": sum(r.preemptions > 0 for r in requests),
+    }
+
+
+def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+    """One concurrency: the closed loop, its metrics and the engine's step summary (graph share, padding)."""
+    engine.reset_stats()
+    _sync(engine)
+    start = time.perf_counter()
+    done = closed_loop(engine, work, concurrency)
+    seconds = time.perf_counter() - start
+    if len(done) != len(work) or engine.cache.num_free_pages != engine.cache.num_pages - 1:
+        raise RuntimeError(f"the engine finished {len(done)} of {len(work)} requests and holds "
+                           f"{engine.cache.num_pages - 1 - engine.cache.num_free_pages} pages after the run")
+    steps = engine.stats()
+    return {"concurrency": concurrency, **metrics(done, seconds), "steps": steps["steps"],
+            "graph_share": steps["graph_share"], "padding_share": steps["padding_share"],
+            "steps_by_kind": steps["by_kind"], "ms_per_step": steps["ms_per_step"], "phase_ms": steps["phase_ms"],
+            "preemptions": steps["preemptions"]}
+
+
+@torch.no_grad()  # not inference_mode: graphs and buffers made here are used outside it later
+def decode_reference(engine: Engine, prompt_len: int, steps: int, seed: int = 0) -> dict[str, Any] | None:
+    """The ITL floor at concurrency 1: one sequence, prefilled once, then ``steps`` pure decode steps through the
+    engine's full-graph module with nothing else (no scheduler, no sampling beyond argmax), each step timed to its
+    token on the host. ``None`` when the engine has no full graphs (only ``mode="auto"`` has)."""
+    decode = engine.executor.decode
+    if decode is None:
+        return None
+    cache, vocab = engine.cache, engine.model.config.vocab_size
+    rng = random.Random(seed)
+    seq = ("decode-reference", seed)
+    ids = torch.tensor([rng.randrange(vocab) for _ in range(prompt_len)], device=cache.device)
+    try:
+        meta = AttentionMetadata.for_batch(cache, [(seq, 0, prompt_len)])
+        with forward_context(meta):
+            hidden = engine.executor.mixed.module(ids, meta.positions)
+        token = engine.model.logits(hidden[-1:]).argmax(-1)
+        gaps = []
+        _sync(engine)
+        last = time.perf_counter()
+        for i in range(steps):
+            meta = AttentionMetadata.for_decode(cache, [(seq, prompt_len + i)])
+            with forward_context(meta):
+                hidden = decode.module(token, meta.positions)
+            token = engine.model.logits(hidden[:1]).argmax(-1)
+            token.tolist()  # the host needs the token, as a server does
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+    finally:
+        if cache.capacity(seq):
+            cache.free(seq)
+    return {"concurrency": 1, "prompt_len": prompt_len, "steps": steps, **_dist(gaps, "itl")}
+
+
+def _sync(engine: Engine) -> None:
+    if engine.cache.device.type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,172 @@
+"""``piecegraph serve-bench``: the serving benchmark's command line (closed-loop clients per concurrency)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from piecegraph.cli_common import check_writable, load_model, resolve_attention, resolve_device
+
+console = Console()
+if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
+    console = Console(width=200)
+
+DEFAULT_MODES = "eager,breakable,piecewise,auto"
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option) from None
+    if any(v < 1 for v in values):
+        raise typer.BadParameter(f"{text!r}: values must be positive", param_hint=option)
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    from piecegraph.serve.config import ENGINE_MODES
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in ENGINE_MODES]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown modes {unknown}; choose from {', '.join(ENGINE_MODES)}",
+                                 param_hint="--modes")
+    return names
+
+
+def _counts(text: str, concurrencies: list[int]) -> dict[int, int]:
+    """``--requests``: empty (the rounds rule), one count for all, or one per concurrency."""
+    values = _ints(text, "--requests") if text.strip() else []
+    if len(values) == 1:
+        values = values * len(concurrencies)
+    if values and len(values) != len(concurrencies):
+        raise typer.BadParameter(f"{len(values)} counts for {len(concurrencies)} concurrencies; give one, or one per "
+                                 "concurrency", param_hint="--requests")
+    return dict(zip(concurrencies, values))
+
+
+@contextlib.contextmanager
+def capture_progress() -> Iterator[Any]:
+    """A rich progress bar for graph capture; yields ``progress(mode)`` -> the engine's per-size callback."""
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} sizes"),
+                   TimeElapsedColumn(), console=console, transient=False)
+
+    def for_mode(mode: str) -> Any:
+        tasks: list[Any] = []  # added on the first size: a mode without graphs (eager) shows no bar
+
+        def update(kind: str, size: int, done: int, total: int) -> None:
+            if not tasks:
+                tasks.append(bar.add_task(mode, total=total))
+            what = "captured" if kind == "done" else f"{kind} size {size}" + (" (trace, compile)" if not done else "")
+            bar.update(tasks[0], completed=done, total=total, description=f"{mode}: {what}")
+
+        return update
+
+    with bar:
+        yield for_mode
+
+
+def serve_bench(
+    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto"),
+    concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
+    requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
+                                 "(default: --rounds per client within --min-requests..--max-requests)"),
+    rounds: float = typer.Option(3.0, min=0.0, help="requests per client when --requests is not given"),
+    min_requests: int = typer.Option(4, min=1, help="fewest requests per concurrency (rounds rule)"),
+    max_requests: int = typer.Option(1024, min=1, help="most requests per concurrency (rounds rule; shortens "
+                                     "high concurrencies, never below one per client)"),
+    input_len: int = typer.Option(0, min=0, help="mean prompt tokens (0: 512 on GPU, 32 on CPU)"),
+    output_len: int = typer.Option(0, min=0, help="mean output tokens, no EOS: each request runs its length (0: "
+                                   "128 on GPU, 8 on CPU)"),
+    range_ratio: float = typer.Option(0.25, min=0.0, max=0.99, help="lengths uniform in len*(1 -/+ ratio)"),
+    max_batched_tokens: int = typer.Option(2048, min=1, help="per-step token budget (chunked prefill above it)"),
+    max_num_seqs: int = typer.Option(0, min=0, help="most running requests (0: the largest concurrency)"),
+    num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request, no preemption)"),
+    page_size: int = typer.Option(16, min=1, help="tokens per KV page"),
+    compiler: str = typer.Option("inductor", help="inductor | eager (piecegraph's compiler of the pieces)"),
+    emulate: bool | None = typer.Option(None, "--emulate/--no-emulate", help="emulate graph replay (default: on "
+                                        "CPU, where CUDA graphs cannot run; the dispatch is then still measured)"),
+    warmup: int = typer.Option(2, min=0, help="short warm-up requests per mode before timing"),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="also time a decode-only full-graph "
+                                   "loop at concurrency 1 (in auto mode): the ITL floor"),
+    seed: int = typer.Option(0, help="seed of the random workload"),
+    json_path: Path | None = typer.Option(None, "--json", help="write env, settings and results as JSON"),
+    plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG: throughput, TTFT, ITL by concurrency"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
+) -> None:
+    """Serve random requests with closed-loop clients per concurrency and mode; throughput, TTFT, ITL, graphs."""
+    from piecegraph.serve.bench import Workload
+    from piecegraph.serve.config import EngineConfig
+    from piecegraph.serve.report import capture_table, payload, phase_table, plot, table, write_json
+    from piecegraph.serve.sweep import Plan, run_sweep
+
+    device = resolve_device(device)
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        check_writable(path, flag)
+    backend = resolve_attention(attention, device)
+    mode_list, conc = _modes(modes), _ints(concurrency, "--concurrency")
+    if not conc:
+        raise typer.BadParameter("at least one concurrency is needed", param_hint="--concurrency")
+    counts = _counts(requests, conc)
+    if compiler not in ("inductor", "eager"):
+        raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
+    model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    net = load_model(model, device, dtype)
+    gpu = device == "cuda"
+    work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
+    max_len = min(-(-work.max_len // page_size) * page_size, net.config.max_seq_len)  # whole pages when it can
+    if work.max_len > net.config.max_seq_len:
+        raise typer.BadParameter(f"requests of up to {work.max_len} tokens exceed the model's max_seq_len "
+                                 f"{net.config.max_seq_len}", param_hint="--input-len")
+    engine = EngineConfig(max_num_seqs=max_num_seqs or max(conc), max_num_batched_tokens=max_batched_tokens,
+                          num_pages=num_pages or None, page_size=page_size, max_seq_len=max_len, compiler=compiler,
+                          emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
+    plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
+                min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference)
+    env = _environment(model, device, dtype, backend, plan)
+
+    def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def save(results: list[dict[str, Any]]) -> None:  # after each mode: a run cut short keeps what it finished
+        if json_path:
+            write_json(json_path, payload(env, results))
+
+    console.print(f"[bold]serve-bench[/]: {model} on {env['device']} ({env['dtype']}, {backend} attention), modes "
+                  f"{', '.join(mode_list)}, concurrency {conc}, requests {[plan.num_requests(c) for c in conc]}")
+    with capture_progress() as progress:
+        results = run_sweep(net, plan, log=log, progress=progress, on_mode=save)
+    title = f"{model} {env['dtype']} on {env['device']}, torch {env['torch']}, {backend} attention"
+    console.print(capture_table(results))
+    console.print(phase_table(results))
+    console.print(table(results, f"serving: {title}; latencies in ms"))
+    save(results)
+    if json_path:
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        plot(results, plot_path, title=title)
+        console.print(f"wrote {plot_path}")
+    if any(r.get("error") for r in results):
+        raise typer.Exit(1)
+
+
+def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {
+        "model": model, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "attention_backend": backend,
+        "workload": asdict(plan.workload), "engine": asdict(plan.engine), "concurrency": list(plan.concurrencies),
+        "requests": {c: plan.num_requests(c) for c in plan.concurrencies}, "warmup": plan.warmup,
+        "timing": "wall time (perf_counter) when each step's tokens reach the host (a device sync on GPU)",
+    }

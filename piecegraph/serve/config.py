@@ -1,0 +1,105 @@
+"""The serving engine's one configuration object (frozen, validated where it is written)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+ENGINE_MODES = ("eager", "breakable", "piecewise", "auto")
+COMPILERS = ("inductor", "eager")
+
+
+def serve_sizes(limit: int) -> tuple[int, ...]:
+    """Capture sizes up to ``limit``: ``1, 2, 4, 8``, then steps of about 1.5x (16, 24, 32, 48, 64, 96, ...)
+    and ``limit`` itself. A step of ``n`` tokens then pads by at most a third (at most 2x below 16)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit]
+    base = 16
+    while base <= limit:
+        sizes += [s for s in (base, base * 3 // 2) if s <= limit]
+        base *= 2
+    if limit not in sizes:
+        sizes.append(limit)
+    return tuple(sorted(set(sizes)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the continuous-batching engine schedules steps and which graphs it replays.
+
+    Attributes:
+        mode: ``"eager"`` (the model as written, no compile), ``"breakable"`` (piecegraph breakable capture for
+            every step: no Dynamo), ``"piecewise"`` (piecewise graphs for every step), ``"auto"`` (full graphs
+            for pure decode steps, piecewise graphs for every other step, one shared ``GraphPool``).
+        max_num_seqs: most requests running at once (the largest decode batch; full graphs are captured up to it).
+        max_num_batched_tokens: the per-step token budget; prefills longer than what is left are chunked.
+            Piecewise graphs are captured up to ``max(max_num_batched_tokens, max_num_seqs)``.
+        num_pages: pages of the paged KV cache, the scratch page included; ``None`` = room for ``max_num_seqs``
+            sequences of ``max_seq_len`` tokens (no preemption then). Smaller budgets preempt (recompute).
+        page_size: tokens per KV page.
+        max_seq_len: the longest request (prompt + new tokens); ``None`` = the model config's ``max_seq_len``. It
+            fixes the width of decode page tables, which the host rebuilds every step: keep it tight.
+        decode_sizes / prefill_sizes: capture sizes of the full (decode) and piecewise graphs; ``None`` =
+            :func:`serve_sizes` up to the limits above. Steps above the largest size run without graphs.
+        compiler: ``"inductor"`` or ``"eager"`` (piecegraph's ``compiler``: the traced pieces as they are).
+        emulate_graphs: piecegraph's CPU emulation of graph replay (graph semantics for tests, no GPU needed).
+        attention_backend: the KV cache's backend (``"auto" | "torch" | "flashinfer"``); ``None`` = the model's.
+
+    Example: ``EngineConfig(mode="auto", max_num_seqs=64, max_num_batched_tokens=512, max_seq_len=1024)``.
+    """
+
+    mode: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_pages: int | None = None
+    page_size: int = 16
+    max_seq_len: int | None = None
+    decode_sizes: tuple[int, ...] | None = None
+    prefill_sizes: tuple[int, ...] | None = None
+    compiler: str = "inductor"
+    emulate_graphs: bool = False
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"EngineConfig.mode={self.mode!r} is not one of {ENGINE_MODES}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"EngineConfig.compiler={self.compiler!r} is not one of {COMPILERS}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            _check_int(name, getattr(self, name), 1)
+        if self.num_pages is not None:
+            _check_int("num_pages", self.num_pages, 2)
+        if self.max_seq_len is not None:
+            _check_int("max_seq_len", self.max_seq_len, 1)
+        for name in ("decode_sizes", "prefill_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                values = tuple(sorted(set(sizes)))
+                if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
+                    raise ValueError(f"EngineConfig.{name}={sizes!r} must be a non-empty list of positive ints")
+                object.__setattr__(self, name, values)
+        if not isinstance(self.emulate_graphs, bool):
+            raise ValueError(f"EngineConfig.emulate_graphs={self.emulate_graphs!r} must be True or False")
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step can hold (a prefill budget, or a full decode batch)."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
+    @property
+    def full_sizes(self) -> tuple[int, ...]:
+        """Capture sizes of the decode (full) graphs."""
+        return self.decode_sizes or serve_sizes(self.max_num_seqs)
+
+    @property
+    def piecewise_sizes(self) -> tuple[int, ...]:
+        """Capture sizes of the piecewise (and breakable) graphs."""
+        return self.prefill_sizes or serve_sizes(self.step_tokens)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"EngineConfig.{name}={value!r} must be an int >= {low}")

@@ -1,0 +1,156 @@
+"""The model side of the engine: one compiled module per kind of step, graphs captured at start, one dispatch.
+
+| engine mode | pure decode steps | every other step |
+|---|---|---|
+| eager | the model | the model |
+| breakable | piecegraph ``mode="breakable"`` | the same module |
+| piecewise | piecegraph ``mode="piecewise"`` | the same module |
+| auto | piecegraph ``mode="full"`` (batch bucketed to its sizes) | piecegraph ``mode="piecewise"`` |
+
+A decode step larger than the largest full size goes to the piecewise module; a step larger than the largest
+piecewise size runs its compiled pieces without graphs (piecegraph's own fallback). In ``auto`` both modules share
+one :class:`piecegraph.GraphPool`. What a step actually did is read from the modules' replay counters, not
+assumed: ``"full"``, ``"piecewise"``, ``"breakable"``, ``"none"`` (compiled, no graph) or ``"eager"``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import piecegraph
+from piecegraph.context import forward_context
+from piecegraph.models.metadata import AttentionMetadata
+from piecegraph.serve.config import EngineConfig
+
+GRAPH_KINDS = ("full", "piecewise", "breakable")
+Progress = Callable[[str, int, int, int], None]  # (module kind, size, sizes done, sizes in all), before each size
+
+
+@dataclass
+class Slot:
+    """One compiled module and what the engine knows about it: its graph kind and capture sizes."""
+
+    kind: str
+    module: Any
+    sizes: tuple[int, ...] = ()
+    wall_s: dict[int, float] = field(default_factory=dict)
+
+    def replays(self) -> int:
+        """Graph replays so far (the runner's counter: cheap, unlike ``stats()``, which reads the pool)."""
+        return 0 if self.kind == "eager" else self.module.runner.replays
+
+    def bucket(self, n: int) -> int:
+        """The size a call of ``n`` tokens is padded to (``n`` itself above the largest size)."""
+        pos = bisect.bisect_left(self.sizes, n)
+        return self.sizes[pos] if pos < len(self.sizes) else n
+
+
+class Executor:
+    """Builds the modules of ``config.mode`` for ``model`` and runs one step with the right one.
+
+    ``model`` takes ``(input_ids [T], positions [T])`` inside a forward context and returns hidden states
+    ``[T, ...]``; any such module works (the reference decoder, a Hugging Face wrapper). Nothing runs until
+    :meth:`capture`, which traces, compiles and captures every size, largest first.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.model, self.config = model, config
+        self.pool = piecegraph.GraphPool()
+        mode = config.mode
+        if mode == "eager":
+            self.mixed = Slot("eager", model)
+            self.decode: Slot | None = None
+            return
+        common: dict[str, Any] = {"pool": self.pool, "emulate_graphs": config.emulate_graphs}
+        if mode == "breakable":
+            self.mixed = Slot("breakable", piecegraph.compile(
+                model, mode="breakable", capture_sizes=config.piecewise_sizes, **common), config.piecewise_sizes)
+        else:
+            self.mixed = Slot("piecewise", piecegraph.compile(
+                model, mode="piecewise", compiler=config.compiler, capture_sizes=config.piecewise_sizes, **common),
+                config.piecewise_sizes)
+        self.decode = None
+        if mode == "auto":
+            self.decode = Slot("full", piecegraph.compile(
+                model, mode="full", compiler=config.compiler, capture_sizes=config.full_sizes, **common),
+                config.full_sizes)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [s for s in (self.mixed, self.decode) if s is not None]
+
+    # -- start ------------------------------------------------------------------------------------------
+    def capture(self, cache: Any, progress: Progress | None = None) -> None:
+        """Trace, compile and capture every size of every module now, largest first, on pad-token dummy decode
+        steps (scratch page only). The first size of each module also traces and compiles it."""
+        done, total = 0, self.num_sizes()
+        for slot in self.slots:
+            if slot.kind == "eager":
+                continue
+            for n in sorted(slot.sizes, reverse=True):
+                if progress:
+                    progress(slot.kind, n, done, total)
+                _, seconds = timed(lambda m=slot.module, n=n: m.capture(lambda k: _dummy(cache, k), [n]))
+                slot.wall_s[n] = seconds  # the first size also traces and compiles
+                done += 1
+        if progress and total:
+            progress("done", 0, done, total)
+
+    def num_sizes(self) -> int:
+        return sum(len(s.sizes) for s in self.slots if s.kind != "eager")
+
+    def report(self) -> dict[str, Any]:
+        """What was captured: per module its sizes and seconds, and the shared pool's MiB."""
+        out: dict[str, Any] = {"mode": self.config.mode, "modules": {}, "pool_mib": 0.0}
+        for slot in self.slots:
+            if slot.kind == "eager":
+                continue
+            stats = slot.module.stats()
+            out["modules"][slot.kind] = {
+                "sizes": list(stats["sizes"]), "graph_mode": stats["mode"], "pieces": stats.get("pieces"),
+                "capture_s": round(sum(stats["capture_s"].values()), 3),  # warm-up + capture of every size
+                "setup_s": round(sum(slot.wall_s.values()), 3),  # the same, plus prewarm, trace and compile
+            }
+            out["pool_mib"] = max(out["pool_mib"], stats["pool_bytes"] / 2**20)  # one pool, seen by each module
+        return out
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def pick(self, meta: AttentionMetadata) -> Slot:
+        """Full graphs for a pure decode step within the full sizes, else the mixed module."""
+        n = meta.num_tokens
+        if self.decode is not None and meta.is_decode and n <= self.decode.sizes[-1]:
+            return self.decode
+        return self.mixed
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, str, int]:
+        """``(hidden [T, ...], kind, padded size)`` of one step; ``kind`` is what actually ran."""
+        slot = self.pick(meta)
+        before = slot.replays()
+        with forward_context(meta):
+            hidden = slot.module(input_ids, meta.positions)
+        if slot.kind == "eager":
+            return hidden, "eager", meta.num_tokens
+        if slot.replays() > before:
+            return hidden, slot.kind, slot.bucket(meta.num_tokens)
+        return hidden, "none", meta.num_tokens
+
+
+def _dummy(cache: Any, n: int) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
+    zeros = torch.zeros(n, dtype=torch.int64, device=cache.device)
+    return (zeros, zeros.clone()), AttentionMetadata.dummy(cache, n)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and its wall seconds, device work included."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start

@@ -1,0 +1,116 @@
+"""The serving benchmark's outputs: a rich table, the JSON payload, and a PNG (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.table import Table
+
+_COLUMNS = (
+    ("mode", "mode", "{}"), ("conc", "concurrency", "{}"), ("reqs", "requests", "{}"),
+    ("req/s", "request_throughput", "{:.2f}"), ("out tok/s", "output_tok_s", "{:.0f}"),
+    ("total tok/s", "total_tok_s", "{:.0f}"), ("TTFT mean", "ttft_mean_ms", "{:.1f}"),
+    ("TTFT p50", "ttft_p50_ms", "{:.1f}"), ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
+    ("ITL mean", "itl_mean_ms", "{:.2f}"), ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
+    ("graph steps", "graph_share", "{:.0%}"), ("pad", "padding_share", "{:.0%}"), ("preempt", "preemptions", "{}"),
+)
+
+
+def table(results: Sequence[dict[str, Any]], title: str) -> Table:
+    """One row per mode and concurrency (ms for latencies); failed modes show their error."""
+    out = Table(title=title)
+    for header, _, _ in _COLUMNS:
+        out.add_column(header, justify="left" if header == "mode" else "right")
+    for result in results:
+        if result.get("error"):
+            out.add_row(result["mode"], "-", f"[red]failed: {result['error'][:80]}[/]")
+        for row in result["rows"]:
+            out.add_row(*(_fmt(fmt, row.get(key)) for _, key, fmt in _COLUMNS))
+        ref = result.get("decode_reference")
+        if ref:
+            out.add_row(f"{result['mode']}: decode-only full-graph loop", "1", "-", *["-"] * 6,
+                        *(_fmt("{:.2f}", ref[k]) for k in ("itl_mean_ms", "itl_p50_ms", "itl_p99_ms")), "100%")
+    return out
+
+
+def capture_table(results: Sequence[dict[str, Any]]) -> Table:
+    """What each mode's engine captured at start: sizes, seconds, pool MiB."""
+    out = Table(title="graphs captured at engine start")
+    for header in ("mode", "module", "sizes", "capture s", "setup s (trace + compile + capture)", "pool MiB"):
+        out.add_column(header, justify="left" if header in ("mode", "module", "sizes") else "right")
+    for result in results:
+        report = result.get("capture") or {"modules": {}, "pool_mib": 0.0}
+        for kind, module in report["modules"].items():
+            sizes = module["sizes"]
+            shown = f"{len(sizes)}: {sizes[0]}..{sizes[-1]}" if sizes else "none"
+            out.add_row(result["mode"], kind, shown, f"{module['capture_s']:.1f}", f"{module['setup_s']:.1f}",
+                        f"{report['pool_mib']:.0f}")
+    return out
+
+
+def phase_table(results: Sequence[dict[str, Any]]) -> Table:
+    """Where a step's host time goes, per mode, concurrency and graph kind (mean ms per step)."""
+    from piecegraph.serve.stats import PHASES
+
+    out = Table(title="mean ms per step by phase (forward_launch is host time; the device wait is in sample_sync)")
+    for header in ("mode", "conc", "kind", "steps", "ms / step", *PHASES):
+        out.add_column(header, justify="left" if header in ("mode", "kind") else "right")
+    for result in results:
+        for row in result["rows"]:
+            for kind, phases in row.get("phase_ms", {}).items():
+                out.add_row(row["mode"], str(row["concurrency"]), kind, str(row["steps_by_kind"][kind]),
+                            f"{row['ms_per_step'][kind]:.2f}", *(f"{phases[p]:.2f}" for p in PHASES))
+    return out
+
+
+def _fmt(fmt: str, value: Any) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def payload(env: dict[str, Any], results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document: environment and settings, then per mode its capture report, rows and reference."""
+    return {"env": env, "modes": list(results)}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Output tok/s and TTFT p50 by concurrency (log x), one line per mode; the reference ITL as a note."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("output_tok_s", "output tokens / s"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    concurrencies = sorted({r["concurrency"] for result in results for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4))
+    for ax, (key, label) in zip(axes, panels):
+        for i, result in enumerate(results):  # one color per mode in every panel
+            points = sorted((r["concurrency"], r[key]) for r in result["rows"] if r.get(key) is not None)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=result["mode"], color=colors[i % len(colors)])
+            ref = result.get("decode_reference")
+            if key == "itl_p50_ms" and ref:
+                ax.plot([1], [ref["itl_p50_ms"]], marker="*", markersize=13, linestyle="none", color="black",
+                        label="decode-only full-graph loop")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        if concurrencies:
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.minorticks_off()
+        ax.set_xlabel("concurrency (closed-loop clients)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in (axes[0], axes[-1]):
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

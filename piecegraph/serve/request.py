@@ -1,0 +1,112 @@
+"""A request and its life: waiting, running (prefill chunks, then decode), finished; preempted ones wait again."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks its tokens.
+
+    ``temperature`` 0 (default) is greedy (argmax). Above 0, tokens are sampled from ``softmax(logits / t)``,
+    each with a generator seeded by ``(seed, index of the token)``: the same request with the same seed gives
+    the same tokens whatever it is batched with, and after a preemption. ``eos_token_id``: stop after emitting
+    it (it is the last output token); ``None`` never stops early.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    seed: int = 0
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    ``num_computed`` counts the tokens of :attr:`tokens` (prompt, then outputs) whose k/v are in the cache. A
+    running request with ``num_computed < len(tokens) - 1`` is still prefilling (chunked), one with exactly one
+    token left is decoding. Preemption frees its pages and sets ``num_computed`` to 0: its prompt and the
+    outputs so far are prefilled again (recompute), and generation continues where it stopped.
+    Times are ``time.perf_counter()`` seconds: ``arrival``, ``first_token`` and each output token's.
+    """
+
+    id: Hashable
+    prompt: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    finish_reason: str | None = None
+
+    @classmethod
+    def make(cls, id: Hashable, prompt: Sequence[int], params: SamplingParams | None = None,
+             arrival: float = 0.0) -> "Request":
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt:
+            raise ValueError(f"request {id!r}: the prompt needs at least one token")
+        return cls(id=id, prompt=prompt, params=params or SamplingParams(), arrival=arrival)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.output]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``tokens[start:stop]`` without building the whole list (a decode row reads one token)."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p:stop - p]
+        return [*self.prompt[start:stop], *self.output[:max(0, stop - p)]]
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this request can hold in the cache (the last output is never written)."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to run through the model before the next output token."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    def append(self, token: int, now: float) -> None:
+        """Record an output token; finishes the request on EOS or at ``max_new_tokens``."""
+        self.output.append(token)
+        self.token_times.append(now)
+        if self.params.eos_token_id is not None and token == self.params.eos_token_id:
+            self.finish_reason = "eos"
+        elif len(self.output) >= self.params.max_new_tokens:
+            self.finish_reason = "length"

@@ -1,0 +1,142 @@
+"""The scheduler: a waiting and a running queue, a per-step token budget, chunked prefill, pages, preemption.
+
+Each step takes, in order: every running request (oldest first: decode rows take one token, unfinished
+prefills the next chunk that fits the budget), then waiting requests (first come, first served) while the
+budget, ``max_num_seqs`` and the free pages allow. A running request whose pages cannot grow preempts the
+newest running request (its pages freed, back to the front of the waiting queue, recomputed later), repeatedly,
+down to preempting itself. Pages are reserved here, before the step's metadata is built, so building it never
+runs out of pages. Requests are never lost or duplicated: each is in exactly one of waiting, running, finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from piecegraph.models.kv_cache import KVCache
+from piecegraph.models.pages import pages_for
+from piecegraph.serve.request import Request, Status
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a step: ``new`` tokens after ``cached`` ones already in the cache."""
+
+    request: Request
+    cached: int
+    new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this row ends at the request's last token, so the step emits its next token."""
+        return self.cached + self.new == self.request.num_tokens
+
+
+@dataclass
+class Batch:
+    """What one step runs: its rows (tokens packed row after row) and the requests it preempted."""
+
+    rows: list[Row] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.new for r in self.rows)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row adds exactly one token: a pure decode step (what full graphs capture)."""
+        return bool(self.rows) and all(r.new == 1 for r in self.rows)
+
+
+class Scheduler:
+    """Queues and pages of the engine; see the module docstring. ``cache`` holds the pages (its sequences are
+    the running requests' ids). ``token_budget`` bounds the tokens of a step, ``max_num_seqs`` the running
+    requests."""
+
+    def __init__(self, cache: KVCache, token_budget: int, max_num_seqs: int) -> None:
+        self.cache = cache
+        self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queues -----------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue ``request``; refuses one that could never fit the cache, even alone."""
+        usable = (self.cache.num_pages - 1) * self.cache.page_size
+        if request.max_len > min(self.cache.max_seq_len, usable):
+            raise ValueError(
+                f"request {request.id!r} needs up to {request.max_len} tokens (prompt {len(request.prompt)} + "
+                f"max_new_tokens {request.params.max_new_tokens}), more than the KV cache holds for one sequence "
+                f"(max_seq_len {self.cache.max_seq_len}, {usable} tokens of pages); shorten it or enlarge the cache")
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request) -> None:
+        """Take a finished request out of the running queue and release its pages."""
+        self.running.remove(request)
+        request.status = Status.FINISHED
+        self._release(request.id)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        """The next step's rows, pages reserved; an empty batch when nothing is queued."""
+        batch, budget = Batch(), self.token_budget
+        for request in list(self.running):
+            if budget == 0 or request.status is not Status.RUNNING:
+                break
+            new = min(request.pending, budget)
+            if not self._grow(request, request.num_computed + new, batch):
+                break  # preempted itself: every request after it was preempted first
+            batch.rows.append(Row(request, request.num_computed, new))
+            budget -= new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            request = self.waiting[0]
+            new = min(request.pending, budget)
+            if self._pages_needed(request.id, request.num_computed + new) > self.cache.num_free_pages:
+                break
+            self.waiting.popleft()
+            self.cache.reserve([(request.id, request.num_computed + new)])
+            request.status = Status.RUNNING
+            self.running.append(request)
+            batch.rows.append(Row(request, request.num_computed, new))
+            budget -= new
+        return batch
+
+    def _grow(self, request: Request, total: int, batch: Batch) -> bool:
+        """Reserve pages for ``total`` tokens of ``request``, preempting the newest running requests as needed;
+        False when ``request`` itself had to go."""
+        needed = self._pages_needed(request.id, total)
+        if not needed:  # most decode steps: the last page has room
+            return True
+        while needed > self.cache.num_free_pages:
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is request:
+                return False
+        self.cache.reserve([(request.id, total)])
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free ``request``'s pages and queue it first in line, to be prefilled again (prompt + outputs)."""
+        self.running.remove(request)
+        self._release(request.id)
+        request.num_computed = 0
+        request.preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _pages_needed(self, seq: Hashable, total: int) -> int:
+        have = self.cache.capacity(seq) // self.cache.page_size
+        return max(0, pages_for(total, self.cache.page_size) - have)
+
+    def _release(self, seq: Hashable) -> None:
+        if self.cache.capacity(seq):
+            self.cache.free(seq)

@@ -1,0 +1,108 @@
+"""Every mode at every concurrency: one engine per mode (graphs captured once), a warm-up, then the loops.
+
+Modes run one after another in one process; each engine is dropped (and Dynamo reset) before the next, so
+each starts alike. A mode that fails to start or run is recorded with its error and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from piecegraph.serve.bench import Workload, decode_reference, measure, requests_for
+from piecegraph.serve.config import EngineConfig
+from piecegraph.serve.engine import Engine
+from piecegraph.serve.executor import Progress
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the sweep runs: modes, concurrencies, request counts (``counts[c]``, else
+    :func:`~piecegraph.serve.bench.requests_for` of ``rounds``, ``min_requests``, ``max_requests``), the workload,
+    the engine's config (its ``mode`` replaced per mode), warm-up requests per mode, and whether to time the
+    decode-only full-graph reference loop (in ``auto``)."""
+
+    modes: tuple[str, ...]
+    concurrencies: tuple[int, ...]
+    workload: Workload
+    engine: EngineConfig
+    counts: dict[int, int] = field(default_factory=dict)
+    rounds: float = 3.0
+    min_requests: int = 4
+    max_requests: int = 1024
+    warmup: int = 2
+    reference: bool = True
+
+    def num_requests(self, concurrency: int) -> int:
+        if concurrency in self.counts:
+            return self.counts[concurrency]
+        return requests_for(concurrency, self.rounds, self.min_requests, self.max_requests)
+
+
+def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str], None],
+             progress: Callable[[str], Progress | None]) -> dict[str, Any]:
+    """One mode: start the engine (timed), warm up, every concurrency, then the reference loop in ``auto``."""
+    vocab = model.config.vocab_size
+    engine = Engine(model, plan.engine.replace(mode=mode), progress=progress(mode))
+    result: dict[str, Any] = {"mode": mode, "capture": engine.capture_report(), "rows": []}
+    log(f"{mode}: engine ready in {engine.setup_s:.1f} s ({_captured(result['capture'])})")
+    if plan.warmup:
+        warm = Workload(min(plan.workload.input_len, 64), min(plan.workload.output_len, 8), 0.0, plan.workload.seed)
+        measure(engine, warm.requests(plan.warmup, vocab, salt=-1), plan.warmup)
+    for c in plan.concurrencies:
+        work = plan.workload.requests(plan.num_requests(c), vocab, salt=c)
+        row = measure(engine, work, c)
+        result["rows"].append({"mode": mode, **row})
+        log(f"{mode} c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} "
+            f"output tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms, "
+            f"graphs {row['graph_share']:.0%} of {row['steps']} steps")
+    if plan.reference and engine.executor.decode is not None:
+        ref = decode_reference(engine, plan.workload.input_len, min(plan.workload.output_len, 128))
+        result["decode_reference"] = ref
+        log(f"{mode}: decode-only full-graph loop ITL p50 {ref['itl_p50_ms']:.2f} ms")
+    result["capture"] = engine.capture_report()  # pool MiB after the runs too (FlashInfer plans may add)
+    return result
+
+
+def _captured(report: dict[str, Any]) -> str:
+    parts = [f"{kind} {len(m['sizes'])} sizes {m['setup_s']:.1f} s" for kind, m in report["modules"].items()]
+    parts.append(f"pool {report['pool_mib']:.0f} MiB")
+    return ", ".join(parts) if report["modules"] else "no graphs"
+
+
+def run_sweep(model: torch.nn.Module, plan: Plan, log: Callable[[str], None] = print,
+              progress: Callable[[str], Progress | None] = lambda mode: None,
+              on_mode: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Every mode of ``plan``; returns one result per mode (``error`` set where it failed)."""
+    results: list[dict[str, Any]] = []
+    for mode in plan.modes:
+        start = time.perf_counter()
+        try:
+            result = run_mode(model, mode, plan, log, progress)
+        except Exception as exc:  # noqa: BLE001  (one failing mode must not lose the others' results)
+            log(f"{mode}: failed: {type(exc).__name__}: {exc}")
+            log(traceback.format_exc(limit=6))
+            result = {"mode": mode, "rows": [], "error": f"{type(exc).__name__}: {exc}"[:500]}
+        result["wall_s"] = round(time.perf_counter() - start, 2)
+        results.append(result)
+        release()
+        if on_mode:
+            on_mode(results)
+    return results
+
+
+def release() -> None:
+    """Free the last engine's graphs and compiled code, so each mode starts alike."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def rows_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row for result in results for row in result["rows"]]

@@ -1,0 +1,275 @@
+"""The serving engine: every request's tokens equal the request generated alone by eager greedy decoding, in
+every mode, at any concurrency, with preemption; nothing lost or duplicated; pages returned; the dispatch (full
+graphs for pure decode steps, piecewise otherwise, no graph above the largest size) read from the step stats."""
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from piecegraph.cli import app
+from piecegraph.models import TINY, Decoder, generate
+from piecegraph.models.config import ModelConfig
+from piecegraph.serve import ENGINE_MODES, Engine, EngineConfig, SamplingParams, serve_sizes
+from piecegraph.serve.bench import Workload, closed_loop, requests_for
+
+MAX_NEW = 8
+PAGE_SIZE = 4
+MAX_SEQ_LEN = 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: torch's two OpenMP threads spin against other processes and make steps 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder.random(TINY, seed=3).eval()
+
+
+def _prompts(n, seed=0, longest=30):
+    rng = random.Random(seed)
+    return [[rng.randrange(TINY.vocab_size) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+PROMPTS = _prompts(7)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """Each prompt alone, eager greedy decoding, its own fresh cache: the independent reference."""
+    return [generate(model, [p], MAX_NEW)[0] for p in PROMPTS]
+
+
+def _config(mode, **changes):
+    # Small sizes, so that the dispatch meets every case: decode batches above the full sizes go piecewise,
+    # prefill steps above the piecewise sizes run without graphs.
+    base = dict(mode=mode, max_num_seqs=4, max_num_batched_tokens=16, page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN,
+                decode_sizes=(1, 2), prefill_sizes=(1, 2, 4, 8), compiler="eager", emulate_graphs=True)
+    return EngineConfig(**{**base, **changes})
+
+
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def engine(request, model):
+    """One engine per mode (graphs captured once), shared by the runs below; its cache has 14 pages of 4 tokens,
+    too few for four requests of up to 38 tokens: running them together preempts."""
+    return Engine(model, _config(request.param, num_pages=15))
+
+
+def _check_run(engine, finished, submitted, expected_tokens):
+    ids = [r.id for r in finished]
+    assert len(ids) == len(set(ids)) == len(submitted), "a request was lost or finished twice"
+    assert set(ids) == {r.id for r in submitted}
+    for request, want in zip(submitted, expected_tokens):
+        assert request.finished and request.output == want, (request.id, request.output, want)
+    assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, len(PROMPTS)])
+def test_engine_tokens_equal_each_request_alone(engine, expected, concurrency):
+    engine.reset_stats()
+    submitted, finished, todo = [], [], list(range(len(PROMPTS)))
+
+    def submit():
+        i = todo.pop(0)
+        submitted.append(engine.add_request(PROMPTS[i], SamplingParams(max_new_tokens=MAX_NEW)))
+
+    for _ in range(concurrency):
+        submit()
+    while engine.has_work():
+        for request in engine.step():
+            finished.append(request)
+            if todo:
+                submit()
+    _check_run(engine, finished, submitted, expected)
+    _check_dispatch(engine, every_case=concurrency == len(PROMPTS))
+    if concurrency == len(PROMPTS):
+        assert engine.stats()["preemptions"] > 0, "the page budget was meant to force preemption"
+
+
+def _check_dispatch(engine, every_case):
+    """Every step used the graph kind the mode promises for its shape (decode sizes 1-2, piecewise 1-8)."""
+    mode = engine.config.mode
+    for s in engine.steps:
+        if mode == "eager":
+            want, pad = "eager", s.tokens
+        elif s.tokens > 8:
+            want, pad = "none", s.tokens  # above the largest size: compiled pieces, no graph
+        elif mode == "auto" and s.is_decode and s.tokens <= 2:
+            want, pad = "full", s.tokens
+        else:
+            want = "breakable" if mode == "breakable" else "piecewise"
+            pad = next(b for b in (1, 2, 4, 8) if b >= s.tokens)
+        assert (s.kind, s.padded) == (want, pad), (mode, s)
+    kinds = {s.kind for s in engine.steps}
+    if mode == "auto" and every_case:
+        assert {"full", "piecewise", "none"} <= kinds
+        assert any(s.kind == "piecewise" and s.is_decode for s in engine.steps), "a decode batch above size 2"
+
+
+def test_auto_engine_reports_what_it_captured(model):
+    engine = Engine(model, _config("auto"))
+    report = engine.capture_report()
+    assert report["modules"]["full"]["sizes"] == [1, 2]
+    assert report["modules"]["piecewise"]["sizes"] == [1, 2, 4, 8]
+    assert report["setup_s"] > 0 and report["pool_mib"] == 0.0  # emulated on CPU: no CUDA pool
+    assert engine.executor.mixed.module.config.pool is engine.executor.decode.module.config.pool
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    engine = Engine(model, _config("eager", num_pages=15))
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, seed=s) for s in range(len(PROMPTS))]
+    together = engine.generate(PROMPTS, params)
+    alone = [engine.generate([p], params[i])[0] for i, p in enumerate(PROMPTS)]
+    assert together == alone
+    other = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, seed=99))
+    assert other[0] != together[0]
+
+
+def test_eos_stops_a_request_and_frees_its_pages(model, expected):
+    engine = Engine(model, _config("auto"))
+    eos = expected[0][3]
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, eos_token_id=eos))
+    for got, want in zip(out, expected):
+        cut = want.index(eos) + 1 if eos in want else len(want)
+        assert got == want[:cut]
+    assert engine.cache.num_free_pages == engine.cache.num_pages - 1
+
+
+def test_requests_that_cannot_fit_or_repeat_an_id_are_refused(model):
+    engine = Engine(model, _config("eager", num_pages=5))  # 16 tokens of pages
+    with pytest.raises(ValueError, match="more than the KV cache holds"):
+        engine.add_request(list(range(10)), SamplingParams(max_new_tokens=8))
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=4), id="a")
+    with pytest.raises(ValueError, match="already submitted"):
+        engine.add_request([3], SamplingParams(max_new_tokens=4), id="a")
+    with pytest.raises(ValueError, match="mode"):
+        EngineConfig(mode="full")
+
+
+def test_serve_sizes():
+    assert serve_sizes(1) == (1,)
+    assert serve_sizes(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
+    assert requests_for(1, 3, 4, 1024) == 4 and requests_for(1024, 3, 4, 1024) == 1024
+    assert requests_for(2048, 3, 4, 1024) == 2048  # never fewer than one per client
+
+
+def test_engine_serves_a_hugging_face_model():
+    """The same engine on an unmodified transformers model (piecegraph.hf's flat-token wrapper)."""
+    transformers = pytest.importorskip("transformers")
+    pghf = pytest.importorskip("piecegraph.hf")
+    config = transformers.AutoConfig.for_model(
+        "qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = pghf.HFDecoder(hf, max_seq_len=64, attention_backend="torch")
+    prompts = [[t % 128 for t in p] for p in PROMPTS]
+    want = [generate(model, [p], MAX_NEW)[0] for p in prompts]
+    engine = Engine(model, _config("auto", num_pages=15))
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW)) == want
+    assert {"full", "piecewise"} <= {s.kind for s in engine.steps} and engine.stats()["preemptions"] > 0
+    assert engine.cache.num_free_pages == engine.cache.num_pages - 1
+
+
+# -- the scheduler, property-tested on a model whose next token is a known function of (token, position) ---------
+class Arithmetic(torch.nn.Module):
+    """A flat-token "model": the next token after ``t`` at position ``p`` is ``(31 t + 7 p + 1) % V``; its
+    outputs depend on nothing else, so any scheduling (chunks, batches, preemption) must give the same tokens."""
+
+    V = 97
+    config = ModelConfig(vocab_size=V, hidden_size=2, intermediate_size=2, num_layers=1, num_heads=1,
+                         num_kv_heads=1, head_dim=2, max_seq_len=64, attention_backend="torch")
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # device and dtype for the engine's cache
+
+    def forward(self, input_ids, positions):
+        return torch.stack([input_ids, positions], -1)
+
+    def logits(self, hidden):
+        nxt = (31 * hidden[:, 0] + 7 * hidden[:, 1] + 1) % self.V
+        return torch.nn.functional.one_hot(nxt, self.V).float()
+
+    @classmethod
+    def expect(cls, prompt, n):
+        tokens = list(prompt)
+        for _ in range(n):
+            tokens.append((31 * tokens[-1] + 7 * (len(tokens) - 1) + 1) % cls.V)
+        return tokens[len(prompt):]
+
+
+requests_st = st.lists(st.tuples(st.lists(st.integers(0, Arithmetic.V - 1), min_size=1, max_size=24),
+                                 st.integers(1, 10), st.integers(0, 12)), min_size=1, max_size=10)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests_st, budget=st.integers(1, 24), seqs=st.integers(1, 5), page_size=st.integers(1, 6),
+       spare=st.integers(0, 6))
+def test_scheduler_loses_nothing_and_returns_every_page(reqs, budget, seqs, page_size, spare):
+    longest = max(len(p) + n for p, n, _ in reqs)
+    pages = -(-longest // page_size) + spare + 1  # the longest request fits alone, barely
+    engine = Engine(Arithmetic(), EngineConfig(mode="eager", max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                               num_pages=pages, page_size=page_size, max_seq_len=64))
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][2])  # (index, (prompt, max_new, arrival step))
+    submitted, finished, step = {}, [], 0
+    while pending or engine.has_work():
+        while pending and pending[0][1][2] <= step:
+            i, (prompt, n, _) = pending.pop(0)
+            submitted[i] = engine.add_request(prompt, SamplingParams(max_new_tokens=n), id=i)
+        finished += engine.step()
+        step += 1
+        assert step < 2000, "the engine stopped making progress"
+    assert sorted(r.id for r in finished) == list(range(len(reqs)))
+    for i, (prompt, n, _) in enumerate(reqs):
+        assert submitted[i].output == Arithmetic.expect(prompt, n)
+    assert engine.cache.sequences() == [] and engine.cache.num_free_pages == pages - 1
+    assert all(s.tokens <= budget and s.seqs <= seqs for s in engine.steps)
+
+
+def test_closed_loop_keeps_the_concurrency():
+    engine = Engine(Arithmetic(), EngineConfig(mode="eager", max_num_seqs=8, max_num_batched_tokens=32,
+                                               max_seq_len=64))
+    work = Workload(input_len=10, output_len=6, range_ratio=0.5, seed=1).requests(9, Arithmetic.V)
+    done = closed_loop(engine, work, concurrency=3)
+    assert len(done) == 9 and max(s.seqs for s in engine.steps) == 3
+    assert [len(r.output) for r in sorted(done, key=lambda r: r.id[1])] == [n for _, n in work]
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+def test_serve_bench_smoke_on_cpu(tmp_path):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    result = CliRunner().invoke(app, [
+        "serve-bench", "--device", "cpu", "--model", "tiny", "--modes", "eager,auto", "--concurrency", "1,3",
+        "--requests", "2,4", "--input-len", "12", "--output-len", "4", "--max-batched-tokens", "32",
+        "--compiler", "eager", "--warmup", "1", "--json", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    modes = {m["mode"]: m for m in data["modes"]}
+    assert set(modes) == {"eager", "auto"} and png.stat().st_size > 0
+    for m in modes.values():
+        assert [r["concurrency"] for r in m["rows"]] == [1, 3]
+        assert [r["requests"] for r in m["rows"]] == [2, 4]
+        assert all(r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 for r in m["rows"])
+    assert all(r["graph_share"] == 1.0 for r in modes["auto"]["rows"])
+    assert all(r["graph_share"] == 0.0 for r in modes["eager"]["rows"])
+    assert modes["auto"]["decode_reference"]["itl_p50_ms"] > 0
+    assert modes["auto"]["capture"]["modules"]["full"]["sizes"][-1] == 3
+
+
+def test_demo_engine_on_cpu():
+    result = CliRunner().invoke(app, ["demo", "--device", "cpu", "--engine", "--steps", "4"])
+    assert result.exit_code == 0, result.output
+    assert "graphed tokens equal eager tokens" in result.output
+    assert "full" in result.output and "piecewise" in result.output
