@@ -3,7 +3,8 @@
 # benchmark sweep (scripts/gpu_bench.sh). Logs and JSON go under OUTDIR.
 # Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench serve" by default:
 # pick a subset to split the work over several calls). "serve" runs the serving benchmark (serve-bench) at
-# concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
+# concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. "hf-bench"
+# times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
 # installed first, for machines without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
 # again with xz, because its wheel is too big to carry) then also gets the parts asked for among tests (only
@@ -81,6 +82,16 @@ for tarball in "${tarballs[@]}"; do
 done
 if has bench; then
   bash scripts/gpu_bench.sh "$OUT" || status=1
+fi
+if has hf-bench; then  # the transformers model itself beside the reference decoder, on the same weights
+  python3 scripts/hf_random_qwen2.py /tmp/pg-qwen2-hf >"$OUT/hf_bench.log" 2>&1
+  for which in hf ref; do
+    flag=$([ $which = hf ] && echo --hf || true)
+    python3 -m piecegraph.cli bench --model /tmp/pg-qwen2-hf $flag --device cuda --attention flashinfer \
+      --modes eager,full,piecewise --batches "${BATCHES:-1,10,256}" --prefill "${PREFILL:-128,2048}" \
+      --json "$OUT/${which}_bench.json" 2>&1 | tail -30 | tee -a "$OUT/hf_bench.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
 fi
 if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \

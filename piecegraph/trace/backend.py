@@ -24,7 +24,12 @@ class UnsupportedGraph(RuntimeError):
 
 
 def _fake(node: torch.fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
+    """The trace's fake value of ``node`` (symbolic sizes); for a placeholder without one, Dynamo's own fake of
+    that input (``grapharg.fake_tensor``), never a fake made anew from the real input (constant sizes)."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if value is None and node.op == "placeholder":
+        value = getattr(node.meta.get("grapharg"), "fake_tensor", None)
+    return value
 
 
 def _token_symbols(fakes: list[Any], token_dim: int) -> frozenset[Any]:
@@ -168,10 +173,16 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     kinds, sym, names, caller = _classify_inputs(placeholders, config.token_dim)
     fake_args = [_fake(n) for n in placeholders]
     fake_mode = next((a.fake_mode for a in fake_args if hasattr(a, "fake_mode")), None)
-    if fake_mode is None or any(a is None for a in fake_args):
+    if fake_mode is None:
         fake_mode = detect_fake_mode(example_inputs)
         fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-        fake_args = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    # Fill in only the inputs the trace kept no fake value for: fakes made anew from the real inputs would have
+    # the trace's sizes as constants, and running the symbolic graph on them specialises the token count.
+    fake_args = [(fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x) if a is None else a
+                 for a, x in zip(fake_args, example_inputs)]
+    missing = [names[i] for i, a in enumerate(_fake(n) for n in placeholders) if a is None]
+    if missing:
+        log.debug("piecegraph: no fake value recorded for graph inputs %s; made from the real ones", missing)
     num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)
     mixing = _token_mixing(gm, sym, config)
     state = CaptureState.for_config(config)
