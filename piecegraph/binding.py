@@ -7,6 +7,7 @@ import copy
 import enum
 import itertools
 import logging
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .program import ArgSpec, InputKind, token_arguments
+from .trace.backend import UnsupportedGraph
 
 log = logging.getLogger("piecegraph")
 
@@ -39,6 +41,18 @@ def trace_copies(values: dict[str, Any], td: int, static_inputs: tuple[str, ...]
     tokens = token_arguments(values, td, static_inputs)
     return {k: trace_copy(v, td) if k in tokens else v.clone() if isinstance(v, torch.Tensor) else v
             for k, v in values.items()}
+
+
+def static_suspect(err: BaseException, values: dict[str, Any], token_dim: int, static_inputs: tuple[str, ...]
+                   ) -> str | None:
+    """The argument to blame when the trace found a token input that is not token-aligned (a (D,) scale whose D
+    equals the first call's token count): a token argument other than the first, else None."""
+    inner = getattr(err, "inner_exception", err)  # Dynamo wraps the backend's error
+    match = re.fullmatch(r"L\['kwargs'\]\['(\w+)'\]", getattr(inner, "input", None) or "")
+    if not isinstance(inner, UnsupportedGraph) or match is None:
+        return None
+    tokens = [k for k in values if k in token_arguments(values, token_dim, static_inputs)]
+    return match.group(1) if match.group(1) in tokens[1:] else None
 
 
 def scratch_arguments(values: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
+from .binding import Binding, fresh_entry, scratch_arguments, static_suspect, trace_copies
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .graphs.fallback import Advisor, NoAdvice, fallback_warning
@@ -230,7 +230,18 @@ class GraphedModule(torch.nn.Module):
         compiled = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
         model = self.model
         self._compiled = lambda **kw: compiled(model, kw)
-        result = self._compiled(**trace_values)
+        try:
+            result = self._compiled(**trace_values)
+        except Exception as err:  # noqa: BLE001  (Dynamo wraps the backend's error)
+            static = static_suspect(err, values, config.token_dim, config.static_inputs)
+            if static is None:
+                raise
+            log.warning("piecegraph: %s was taken for a token input (its dim %d equals the token count) but the "
+                        "trace shows it is not; tracing again with Config(static_inputs=(%r,))", static,
+                        config.token_dim, static)
+            self._runners.clear()
+            self.config = self.config.replace(static_inputs=(*self.config.static_inputs, static))
+            return self._trace(values, config.replace(static_inputs=(*config.static_inputs, static)), verify_sizes)
         self.runner.end_trace()
         self._bind(examples[0], trace_values, result)
 

@@ -20,7 +20,12 @@ log = logging.getLogger("piecegraph")
 
 
 class UnsupportedGraph(RuntimeError):
-    """The traced graph has a shape piecegraph cannot bucket (a second dynamic dimension, say)."""
+    """The traced graph has a shape piecegraph cannot bucket (a second dynamic dimension, say); ``input`` names
+    the graph input (its Dynamo source name) when one is to blame."""
+
+    def __init__(self, message: str, input: str | None = None):
+        super().__init__(message)
+        self.input = input
 
 
 def _fake(node: torch.fx.Node) -> Any:
@@ -73,7 +78,8 @@ def _classify_inputs(
             if isinstance(fake, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in fake.shape):
                 raise UnsupportedGraph(
                     f"graph input {name} has symbolic shape {tuple(fake.shape)}: only dim {token_dim} may "
-                    "be dynamic, and it must be the token count shared by all inputs."
+                    "be dynamic, and it must be the token count shared by all inputs. If it is not token-aligned, "
+                    "name it in Config(static_inputs=...).", input=name,
                 )
             kinds.append(InputKind.STATIC)
     return kinds, sym, names, caller

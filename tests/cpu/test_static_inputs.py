@@ -90,3 +90,26 @@ def test_static_inputs_must_name_arguments():
     graphed = piecegraph.compile(CrossAttention(), mode="none", compiler="eager", static_inputs=("memroy",))
     with pytest.raises(TypeError, match="memroy"):
         graphed(torch.randn(3, 16), torch.randn(7, 16))
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "none"])
+def test_a_scale_whose_size_equals_the_first_token_count_is_found_by_the_trace(mode):
+    """A (8,) scale beside 8 tokens: taken for a token input, the trace shows it is not (it broadcasts over the
+    features); piecegraph names it static and traces again, at that same first call."""
+    model = Scaled().eval()
+    graphed = piecegraph.compile(model, mode=mode, compiler="eager", capture_sizes=SIZES, emulate_graphs=True)
+    for n in (8, 5, 8, 16, 3):
+        x, scale = torch.randn(n, 8), torch.randn(8)
+        with torch.no_grad():
+            torch.testing.assert_close(graphed(x, scale), model(x, scale), rtol=1e-5, atol=1e-5)
+    assert graphed.config.static_inputs == ("scale",)
