@@ -7,16 +7,16 @@ import copy
 import inspect
 import logging
 import threading
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .auto import setup_auto
 from .binding import Binding, fresh_entry, scratch_arguments, static_suspect, trace_copies
 from .config import Config
 from .graphs.breakable import build_breakable_program
-from .graphs.fallback import Advisor, NoAdvice, fallback_warning
+from .graphs.fallback import Advisor, NoAdvice
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
 from .program import TokenCountMismatch, kept_buffers
@@ -256,28 +256,7 @@ class GraphedModule(torch.nn.Module):
         self._modules_seen = set()
 
     def _setup_auto(self, values: dict[str, Any]) -> None:
-        """Piecewise; else the fixes piecegraph knows, then piecewise again; else breakable (eager on CPU)."""
-        config = self.config.replace(mode="piecewise", verify=bool(self.config.verify))
-        verify_sizes = 1 if self.config.verify is None else None  # auto checks its first capture by default
-        error = self._try_trace(values, config, verify_sizes)
-        fixes: list[str] = []
-        summary = ""
-        if error is not None:
-            fixes, summary = self._advisor.apply_fixes(self.model, scratch_arguments(values))
-            if fixes:
-                error = self._try_trace(values, config, verify_sizes)
-                summary = ""  # the blockers the fixes left are the ones to name
-        if error is None:
-            if fixes:
-                log.info("piecegraph auto: piecewise after applying %s", ", ".join(fixes))
-            return
-        on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
-        # Breakable capture cannot see token-mixing ops (there is no trace): verify each size against the
-        # unpadded run unless the caller said otherwise.
-        verify = True if self.config.verify is None else self.config.verify
-        self._setup_breakable(values, config.replace(mode="breakable", verify=verify), graphs=on_cuda)
-        summary = summary or self._advisor.summarize(self.model, scratch_arguments(values), error)
-        warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=4)
+        setup_auto(self.model, values, self.config, self._advisor, self._try_trace, self._setup_breakable)
 
     def _try_trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None) -> Exception | None:
         try:

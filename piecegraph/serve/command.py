@@ -106,7 +106,7 @@ def serve_bench(
     """Serve random requests with closed-loop clients per concurrency and mode; throughput, TTFT, ITL, graphs."""
     from piecegraph.serve.bench import Workload
     from piecegraph.serve.config import EngineConfig
-    from piecegraph.serve.report import capture_table, payload, phase_table, plot, table, write_json
+    from piecegraph.serve.report import payload, write_json
     from piecegraph.serve.sweep import Plan, run_sweep
 
     device = resolve_device(device)
@@ -146,11 +146,18 @@ def serve_bench(
                   f"{', '.join(mode_list)}, concurrency {conc}, requests {[plan.num_requests(c) for c in conc]}")
     with capture_progress() as progress:
         results = run_sweep(net, plan, log=log, progress=progress, on_mode=save)
-    title = f"{model} {env['dtype']} on {env['device']}, torch {env['torch']}, {backend} attention"
+    save(results)
+    _report(results, f"{model} {env['dtype']} on {env['device']}, torch {env['torch']}, {backend} attention",
+            json_path, plot_path)
+
+
+def _report(results: list[dict[str, Any]], title: str, json_path: Path | None, plot_path: Path | None) -> None:
+    """The capture, phase and serving tables; the PNG if asked; exit 1 when a mode failed."""
+    from piecegraph.serve.report import capture_table, phase_table, plot, table
+
     console.print(capture_table(results))
     console.print(phase_table(results))
     console.print(table(results, f"serving: {title}; latencies in ms"))
-    save(results)
     if json_path:
         console.print(f"wrote {json_path}")
     if plot_path:

@@ -18,7 +18,7 @@ STAGES = [
     ("adapters", "graphs"),  # library adapters (on ops); capture, replay, static context, breakable capture
     ("trace",),  # Dynamo graph -> split -> compiled pieces (a Program)
     ("runner",),  # buckets, padding, capture and replay of a Program
-    ("binding", "graphed_module", "dynamo_backend"),  # GraphedModule, its binding, the Dynamo backend
+    ("binding", "auto", "graphed_module", "dynamo_backend"),  # GraphedModule, its binding, the Dynamo backend
     ("models",),  # the reference decoder, paged KV cache, attention backends
     ("hf",),  # Hugging Face decoders through piecegraph's attention (on models and the engine)
     ("cli_common",),  # what the commands share: device, attention, model and output-file checks
