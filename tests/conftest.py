@@ -6,7 +6,7 @@ import torch
 from hypothesis import settings
 
 # No per-example deadline: the examples compile and trace, and CI machines are shared (timing is not what the
-# property tests check). HYPOTHESIS_PROFILE=long runs many more examples (the long run a closing note reports).
+# property tests check). HYPOTHESIS_PROFILE=long runs more examples in the tests that do not set their own count.
 settings.register_profile("ci", deadline=None)
 settings.register_profile("long", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
