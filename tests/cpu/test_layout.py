@@ -21,6 +21,7 @@ STAGES = [
     ("binding", "auto", "graphed_module", "dynamo_backend"),  # GraphedModule, its binding, the Dynamo backend
     ("models",),  # the reference decoder, paged KV cache, attention backends
     ("hf",),  # Hugging Face decoders through piecegraph's attention (on models and the engine)
+    ("parallel",),  # tensor parallel over torch.distributed: apply_tp, the all-reduce ops
     ("cli_common",),  # what the commands share: device, attention, model and output-file checks
     ("diagnose",),  # the doctor
     ("api",),  # piecegraph.compile (engine + the doctor's advice)

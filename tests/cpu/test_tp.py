@@ -1,0 +1,122 @@
+"""Tensor parallel on CPU: two gloo processes (started here, torchrun-style env) against TP=1, float32.
+
+The ranks run ``tests/cpu/tp_worker.py``. For the reference decoder (TINY: 4 q / 2 kv heads, tied; and a 1-kv-head,
+untied, odd-vocabulary variant) and tiny Hugging Face Llama and Qwen2 models (``HFDecoder``): the prefill logits of
+a packed batch of 3 prompts (15 tokens, padded to 16) and 8 greedy tokens, plain sharded, in ``mode="none"``,
+emulated piecewise graphs and emulated full decode graphs, with the all-reduce inside the pieces and as a split op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from piecegraph.parallel import ALL_REDUCE, ALL_REDUCE_INPLACE, get_group, register_group
+from piecegraph.parallel.tp import _bounds
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 2
+CONFIGS = ("tiny", "mqa_untied")
+VARIANTS = ("eager", "none_inside", "none_split", "piecewise_inside", "piecewise_split", "full_decode_inside",
+            "full_decode_split")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """What each of the 2 ranks wrote (one JSON dict per rank)."""
+    out = tmp_path_factory.mktemp("tp")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / f"rank{r}.json")],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{logs[r][-4000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+HF_VARIANTS = ("eager", "none_inside", "none_split", "piecewise_inside", "piecewise_split", "full_decode_split")
+try:
+    import transformers  # noqa: F401
+    HAS_TRANSFORMERS = True
+except ImportError:
+    HAS_TRANSFORMERS = False
+CASES = [(c, v) for c in CONFIGS for v in VARIANTS] + [
+    pytest.param(f"hf_{arch}", v, marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers"))
+    for arch in ("llama", "qwen2") for v in HF_VARIANTS]
+
+
+@pytest.mark.parametrize(("config", "variant"), CASES)
+def test_tp2_equals_tp1(ranks, config, variant):
+    """Reference decoder configs, and tiny Hugging Face Llama (o_proj bias, untied) and Qwen2 (1 kv head, tied)."""
+    for r, results in enumerate(ranks):
+        entry = results[f"{config}/{variant}"]
+        assert entry["rel"] < 1e-5, (r, entry)
+        assert entry["tokens_equal"], (r, entry["tokens"], entry["ref_tokens"])
+        assert entry["kv_heads_per_rank"] == entry["cache_kv_heads"] == 1  # the paged cache is per rank
+        if variant == "eager":
+            continue
+        prefill = entry["prefill"]
+        split = variant.endswith("_split")
+        # attention per layer, plus (as split ops) o_proj's and down_proj's all-reduce per layer and the embedding's
+        assert prefill["split_ops"] == (7 if split else 2) and prefill["fallbacks"] == 0, entry
+        if variant.startswith("piecewise"):
+            assert prefill["sizes"] == [4, 16] and prefill["replays"] >= 7, entry  # padded prefill and decode
+        if variant.startswith("full_decode"):
+            assert entry["decode"]["sizes"] == [4] and entry["decode"]["replays"] >= 6, entry
+    assert ranks[0][f"{config}/{variant}"]["tokens"] == ranks[1][f"{config}/{variant}"]["tokens"]
+
+
+def test_apply_tp_refuses_heads_that_do_not_divide(ranks):
+    for results in ranks:
+        assert "num_heads (3) must divide by the world size 2" in results["refuses_odd_heads"]
+
+
+def test_vocab_bounds_cover_the_vocabulary_evenly():
+    for n, world in ((256, 2), (257, 2), (10, 4), (3, 3)):
+        bounds = [_bounds(n, r, world) for r in range(world)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+
+
+def test_all_reduce_ops_have_fakes():
+    with FakeTensorMode():
+        x = torch.empty(5, 8)
+        y = torch.ops.piecegraph_tp.all_reduce(x, "any")
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert torch.ops.piecegraph_tp.all_reduce_(x, "any") is None
+    assert ALL_REDUCE == "piecegraph_tp::all_reduce" and ALL_REDUCE_INPLACE == "piecegraph_tp::all_reduce_"
+
+
+def test_group_registry_errors_say_what_to_do():
+    with pytest.raises(KeyError, match="register_group"):
+        get_group("never-registered")
+    if not torch.distributed.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            register_group("tp")
