@@ -85,3 +85,14 @@ def _load_transformers(path: str, device: str, dtype: torch.dtype):
         return load(path, dtype=dtype, device=device)
     except (FileNotFoundError, ValueError, ImportError, OSError) as err:
         raise typer.BadParameter(str(err).splitlines()[0], param_hint="--model") from None
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """``"1,10,256"`` -> ``[1, 10, 256]`` (``""`` -> ``[]``); anything else is a usage error naming ``option``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option) from None
+    if any(v < 1 for v in values):
+        raise typer.BadParameter(f"{text!r}: values must be positive", param_hint=option)
+    return values

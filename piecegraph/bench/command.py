@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from piecegraph.cli_common import check_writable, load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import check_writable, int_list, load_model, resolve_attention, resolve_device
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
@@ -19,15 +19,7 @@ if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at
 
 def _ints(text: str, option: str) -> list[int]:
     """``"1,10,256"`` -> ``[1, 10, 256]``; ``""`` or ``"none"`` -> ``[]``; anything else names the option."""
-    if text.strip().lower() in ("", "none"):
-        return []
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option) from None
-    if any(v < 1 for v in values):
-        raise typer.BadParameter(f"{text!r}: sizes must be positive", param_hint=option)
-    return values
+    return [] if text.strip().lower() == "none" else int_list(text, option)
 
 
 def _modes(text: str, device: str) -> list[str]:

@@ -71,7 +71,7 @@ class Session:
             self.prefill = self.decode = self.model
             return
         graphs = mode == "graphs"
-        if self.model.row_wise_experts and "token_mixing" in Config.__dataclass_fields__:
+        if self.model.row_wise_experts:
             # The token-mixing check flags the experts' flatten of (token, k) pairs; they are row-wise (see
             # HFDecoder), so pad to capture sizes instead of capturing exact token counts only.
             options.setdefault("token_mixing", "pad")

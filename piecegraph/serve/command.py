@@ -11,23 +11,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from piecegraph.cli_common import check_writable, load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import check_writable, int_list, load_model, resolve_attention, resolve_device
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
     console = Console(width=200)
 
 DEFAULT_MODES = "eager,breakable,piecewise,auto"
-
-
-def _ints(text: str, option: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option) from None
-    if any(v < 1 for v in values):
-        raise typer.BadParameter(f"{text!r}: values must be positive", param_hint=option)
-    return values
 
 
 def _modes(text: str) -> list[str]:
@@ -43,7 +33,7 @@ def _modes(text: str) -> list[str]:
 
 def _counts(text: str, concurrencies: list[int]) -> dict[int, int]:
     """``--requests``: empty (the rounds rule), one count for all, or one per concurrency."""
-    values = _ints(text, "--requests") if text.strip() else []
+    values = int_list(text, "--requests")
     if len(values) == 1:
         values = values * len(concurrencies)
     if values and len(values) != len(concurrencies):
@@ -113,7 +103,7 @@ def serve_bench(
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         check_writable(path, flag)
     backend = resolve_attention(attention, device)
-    mode_list, conc = _modes(modes), _ints(concurrency, "--concurrency")
+    mode_list, conc = _modes(modes), int_list(concurrency, "--concurrency")
     if not conc:
         raise typer.BadParameter("at least one concurrency is needed", param_hint="--concurrency")
     counts = _counts(requests, conc)

@@ -16,11 +16,12 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from piecegraph.graphs.capture import timed_capture
 from piecegraph.models.kv_cache import KVCache
 from piecegraph.models.metadata import AttentionMetadata
 from piecegraph.models.pages import pages_for
 from piecegraph.serve.config import EngineConfig
-from piecegraph.serve.executor import Executor, Progress, timed
+from piecegraph.serve.executor import Executor, Progress
 from piecegraph.serve.request import Request, SamplingParams
 from piecegraph.serve.sampling import sample
 from piecegraph.serve.scheduler import Batch, Scheduler
@@ -48,7 +49,7 @@ class Engine:
         self._ids: set[Hashable] = set()
         self._counter = itertools.count()
         self.device = self.cache.device
-        _, self.setup_s = timed(lambda: self.executor.capture(self.cache, progress))
+        _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
 
     def _build_cache(self) -> KVCache:
         cfg, model_cfg = self.config, self.model.config

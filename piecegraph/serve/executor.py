@@ -16,7 +16,6 @@ assumed: ``"full"``, ``"piecewise"``, ``"breakable"``, ``"none"`` (compiled, no 
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,6 +23,8 @@ import torch
 
 import piecegraph
 from piecegraph.context import forward_context
+from piecegraph.graphs.capture import timed_capture
+from piecegraph.models.generate import dummy_inputs
 from piecegraph.models.metadata import AttentionMetadata
 from piecegraph.serve.config import EngineConfig
 
@@ -95,7 +96,8 @@ class Executor:
             for n in sorted(slot.sizes, reverse=True):
                 if progress:
                     progress(slot.kind, n, done, total)
-                _, seconds = timed(lambda m=slot.module, n=n: m.capture(lambda k: _dummy(cache, k), [n]))
+                _, seconds = timed_capture(
+                    lambda m=slot.module, n=n: m.capture(lambda k: dummy_inputs(self.model, cache, k), [n]))
                 slot.wall_s[n] = seconds  # the first size also traces and compiles
                 done += 1
         if progress and total:
@@ -138,19 +140,3 @@ class Executor:
         if slot.replays() > before:
             return hidden, slot.kind, slot.bucket(meta.num_tokens)
         return hidden, "none", meta.num_tokens
-
-
-def _dummy(cache: Any, n: int) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
-    zeros = torch.zeros(n, dtype=torch.int64, device=cache.device)
-    return (zeros, zeros.clone()), AttentionMetadata.dummy(cache, n)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``fn()`` and its wall seconds, device work included."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - start

@@ -184,9 +184,9 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         fake_mode = fake_mode or torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     # Fill in only the inputs the trace kept no fake value for: fakes made anew from the real inputs would have
     # the trace's sizes as constants, and running the symbolic graph on them specialises the token count.
+    missing = [name for name, a in zip(names, fake_args) if a is None]
     fake_args = [(fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x) if a is None else a
                  for a, x in zip(fake_args, example_inputs)]
-    missing = [names[i] for i, a in enumerate(_fake(n) for n in placeholders) if a is None]
     if missing:
         log.debug("piecegraph: no fake value recorded for graph inputs %s; made from the real ones", missing)
     num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)

@@ -19,6 +19,7 @@ Custom ops (opaque library kernels) are taken as token-wise: piecegraph cannot s
 
 from __future__ import annotations
 
+import builtins
 import operator
 import re
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def find_token_mixing(gm: torch.fx.GraphModule, token_symbols: Any) -> list[Mixi
             continue
         why = _mixes(node, token_symbols)
         if why:
-            found.append(MixingOp(_op_name(node), why, *_where(node)))
+            found.append(MixingOp(op_name(node), why, *_where(node)))
     return found
 
 
@@ -72,7 +73,7 @@ def _mixes(node: torch.fx.Node, sym: Any) -> str | None:
     outputs = [(t, _token_axes(t, sym)) for t in _tensor_values(node.meta.get("example_value"))]
     if not outputs or not any(axes for _, axes in inputs):
         return None
-    name = _op_name(node)
+    name = op_name(node)
     if any(len(axes) > 1 for _, axes in outputs):
         return "its result pairs every token with every other"
     if not any(axes for _, axes in outputs):
@@ -202,13 +203,17 @@ def _tensor_values(value: Any) -> list[torch.Tensor]:
     return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
 
 
-def _op_name(node: torch.fx.Node) -> str:
+def op_name(node: torch.fx.Node) -> str:
+    """The short name of a call node's op: a method's name, ``getitem``, ``matmul``, the attribute of a
+    ``getattr`` (``T``, ``mT``), else the function's ``__name__`` (last dotted part)."""
     if node.op == "call_method":
         return str(node.target)
     if node.target is operator.getitem:
         return "getitem"
     if node.target is operator.matmul:
         return "matmul"
+    if node.target is builtins.getattr and len(node.args) > 1:
+        return str(node.args[1])
     name = getattr(node.target, "__name__", str(node.target))
     return name.split(".")[-1]
 

@@ -8,10 +8,11 @@ input back into the caller's tensor after the real run (the model wrote it; eage
 
 from __future__ import annotations
 
-import builtins
 import operator
 
 import torch
+
+from .mixing import op_name
 
 # Ops whose result shares its first argument's memory: writing the result writes the input.
 _VIEWS = {"view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "unsqueeze", "squeeze",
@@ -78,12 +79,7 @@ def _schema(target: object) -> torch.FunctionSchema | None:
 def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose memory ``node`` views (itself when it is no view)."""
     while node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
-        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if node.target is operator.getitem:
-            name = "getitem"
-        elif node.target is builtins.getattr and len(node.args) > 1:
-            name = str(node.args[1])  # x.T, x.mT
-        if name not in _VIEWS:
+        if op_name(node) not in _VIEWS:
             break
         node = node.args[0]
     return node
