@@ -74,6 +74,24 @@ def _tiny_hf(model_type: str):
     return HFDecoder(model, attention_backend="torch")
 
 
+def _variant(model, kwargs, decode_kwargs, ref_logits, ref_tokens) -> dict:
+    """One sharded ``model`` run as a variant says (eager, or compiled prefill and decode modules), against the
+    unsharded reference's prefill logits and greedy tokens; with the compiled modules' stats."""
+    fn = model if kwargs is None else piecegraph.compile(model, compiler="eager", **kwargs)
+    decode = fn if decode_kwargs is None else piecegraph.compile(model, compiler="eager", **decode_kwargs)
+    logits = _prefill_logits(model, fn)
+    tokens = generate(model, PROMPTS, NEW_TOKENS, prefill_fn=fn, decode_fn=decode)
+    entry = {"rel": ((logits - ref_logits).norm() / ref_logits.norm()).item(),
+             "tokens_equal": tokens == ref_tokens, "tokens": tokens, "ref_tokens": ref_tokens,
+             "kv_heads_per_rank": model.config.num_kv_heads,
+             "cache_kv_heads": KVCache.for_sequences(model.config, 1, 8).num_kv_heads}
+    for key, graphed in (("prefill", fn if kwargs else None), ("decode", decode if decode_kwargs else None)):
+        if graphed is not None:
+            stats = graphed.stats()
+            entry[key] = {k: stats.get(k) for k in ("pieces", "split_ops", "sizes", "fallbacks", "replays")}
+    return entry
+
+
 def _hf_results() -> dict:
     try:
         import transformers  # noqa: F401
@@ -87,19 +105,7 @@ def _hf_results() -> dict:
         for vname in HF_VARIANTS:
             inplace, kwargs, decode_kwargs = VARIANTS[vname]
             model = apply_tp(_tiny_hf(arch), "tp", inplace=inplace)
-            fn = model if kwargs is None else piecegraph.compile(model, compiler="eager", **kwargs)
-            decode = fn if decode_kwargs is None else piecegraph.compile(model, compiler="eager", **decode_kwargs)
-            logits = _prefill_logits(model, fn)
-            tokens = generate(model, PROMPTS, NEW_TOKENS, prefill_fn=fn, decode_fn=decode)
-            entry = {"rel": ((logits - ref_logits).norm() / ref_logits.norm()).item(),
-                     "tokens_equal": tokens == ref_tokens, "tokens": tokens, "ref_tokens": ref_tokens,
-                     "kv_heads_per_rank": model.config.num_kv_heads,
-                     "cache_kv_heads": KVCache.for_sequences(model.config, 1, 8).num_kv_heads}
-            for key, graphed in (("prefill", fn if kwargs else None), ("decode", decode if decode_kwargs else None)):
-                if graphed is not None:
-                    stats = graphed.stats()
-                    entry[key] = {k: stats.get(k) for k in ("pieces", "split_ops", "sizes", "fallbacks", "replays")}
-            results[f"hf_{arch}/{vname}"] = entry
+            results[f"hf_{arch}/{vname}"] = _variant(model, kwargs, decode_kwargs, ref_logits, ref_tokens)
     return results
 
 
@@ -114,19 +120,7 @@ def main() -> None:
         ref_tokens = generate(ref, PROMPTS, NEW_TOKENS)
         for vname, (inplace, kwargs, decode_kwargs) in VARIANTS.items():
             model = apply_tp(Decoder.random(config, seed=3), "tp", inplace=inplace)
-            fn = model if kwargs is None else piecegraph.compile(model, compiler="eager", **kwargs)
-            decode = fn if decode_kwargs is None else piecegraph.compile(model, compiler="eager", **decode_kwargs)
-            logits = _prefill_logits(model, fn)
-            tokens = generate(model, PROMPTS, NEW_TOKENS, prefill_fn=fn, decode_fn=decode)
-            rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-            entry = {"rel": rel, "tokens_equal": tokens == ref_tokens, "tokens": tokens, "ref_tokens": ref_tokens,
-                     "kv_heads_per_rank": model.config.num_kv_heads,
-                     "cache_kv_heads": KVCache.for_sequences(model.config, 1, 8).num_kv_heads}
-            for key, graphed in (("prefill", fn if kwargs else None), ("decode", decode if decode_kwargs else None)):
-                if graphed is not None:
-                    stats = graphed.stats()
-                    entry[key] = {k: stats.get(k) for k in ("pieces", "split_ops", "sizes", "fallbacks", "replays")}
-            results[f"{cname}/{vname}"] = entry
+            results[f"{cname}/{vname}"] = _variant(model, kwargs, decode_kwargs, ref_logits, ref_tokens)
     results.update(_hf_results())
     try:
         apply_tp(Decoder.random(TINY.replace(num_heads=3, num_kv_heads=1)), "tp")

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from bf16_ties import first_divergences
 
 import piecegraph
 from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache, ModelConfig, generate
@@ -143,12 +144,6 @@ def _reference_logits(model, tokens):
         return hidden[-1].float() @ model.lm_head.weight.float().T
 
 
-def _bf16_steps(logits, a, b):
-    """How many bfloat16 steps (at the larger of the two logits) separate tokens ``a`` and ``b``."""
-    top = torch.maximum(logits[a].abs(), logits[b].abs()).item()
-    return abs(logits[a] - logits[b]).item() / 2.0 ** (torch.tensor(top).log2().floor().item() - 7)
-
-
 def test_greedy_tokens_with_flashinfer_graphs_equal_torch_eager(record_result):
     model = Decoder.random(QWEN2_5_0_5B.replace(num_layers=4, max_seq_len=256), seed=1, dtype=BF16,
                            device=DEVICE).eval()
@@ -168,12 +163,7 @@ def test_greedy_tokens_with_flashinfer_graphs_equal_torch_eager(record_result):
     # Logits are bf16: over 151936 tokens the top two are often within one bf16 step (seen on a CPU dry run: 3 of
     # 5 prompts tie somewhere in 33 steps), so equal kernels up to rounding can pick either. A divergence is
     # accepted only where the reference's two tokens are within 4 bf16 steps, with every token before it equal.
-    ties = []
-    for prompt, g, e in zip(prompts, got, expected):
-        if g != e:
-            i = next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
-            steps = _bf16_steps(_reference_logits(model, prompt + e[:i]), e[i], g[i])
-            ties.append({"prompt_len": len(prompt), "step": i, "bf16_steps_apart": steps})
+    ties = first_divergences(prompts, got, expected, lambda tokens: _reference_logits(model, tokens))
     record_result(RESULTS, "greedy_33_tokens", {"equal": got == expected, "near_ties": ties,
                                                 "decode_replays": decode.stats()["replays"]})
     assert all(t["bf16_steps_apart"] <= 4 for t in ties), ties

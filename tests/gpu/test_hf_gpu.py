@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bf16_ties import first_divergences
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,12 +44,6 @@ def _hf_last_logits(model, tokens):
         return model(torch.tensor([tokens], device="cuda")).logits[0, -1].float()
 
 
-def _bf16_steps(logits, a, b):
-    """How many bfloat16 steps (at the larger of the two logits) separate tokens ``a`` and ``b``."""
-    top = torch.maximum(logits[a].abs(), logits[b].abs()).item()
-    return abs(logits[a] - logits[b]).item() / 2.0 ** (torch.tensor(top).log2().floor().item() - 7)
-
-
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_greedy_tokens_equal_hf_generate_up_to_bf16_ties(qwen2, compiler, record_result):
     expected = [_hf_tokens(qwen2, p) for p in PROMPTS]
@@ -58,12 +53,7 @@ def test_greedy_tokens_equal_hf_generate_up_to_bf16_ties(qwen2, compiler, record
     got = session.generate(PROMPTS, NEW)
     # bf16 logits over 151936 tokens: the top two are often within a bf16 step, so kernels equal up to rounding
     # may pick either. A divergence is accepted only where HF's two candidates are within 4 bf16 steps.
-    ties = []
-    for prompt, g, e in zip(PROMPTS, got, expected):
-        if g != e:
-            i = next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
-            steps = _bf16_steps(_hf_last_logits(qwen2, prompt + e[:i]), e[i], g[i])
-            ties.append({"prompt_len": len(prompt), "step": i, "bf16_steps_apart": steps})
+    ties = first_divergences(PROMPTS, got, expected, lambda tokens: _hf_last_logits(qwen2, tokens))
     stats = {"prefill": session.prefill.stats(), "decode": session.decode.stats()}
     record_result(RESULTS, f"greedy_{NEW}_{compiler}", {
         "equal": got == expected, "first_divergences": ties, "pieces": stats["prefill"]["pieces"],
