@@ -67,6 +67,10 @@ class Engine:
         if rid in self._ids:
             raise ValueError(f"request id {rid!r} was already submitted to this engine; ids are unique")
         request = Request.make(rid, prompt, params, time.perf_counter() if arrival is None else arrival)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in request.prompt if not 0 <= t < vocab]
+        if bad:  # checked here: out of range, the embedding fails mid-step (a device assert on a GPU)
+            raise ValueError(f"request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         self.scheduler.add(request)
         self._ids.add(rid)
         return request

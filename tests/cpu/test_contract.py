@@ -86,6 +86,7 @@ def test_full_graph_captured_without_a_context_ignores_one_it_never_read():
     ("max_tokens", True), ("max_tokens", 0), ("capture_sizes", [3.7]), ("capture_sizes", ["abc"]),
     ("capture_sizes", 8), ("capture_sizes", []), ("warmup_runs", "2"), ("verify_tol", math.nan),
     ("verify_tol", -1.0), ("token_dim", 1.5), ("split_ops", ["attention"]), ("copy_outputs", 1), ("verify", 0),
+    ("token_mixing", "padded"), ("static_inputs", ("memory", 3)), ("static_inputs", ("",)),
 ])
 def test_bad_config_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

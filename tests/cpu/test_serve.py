@@ -155,6 +155,13 @@ def test_requests_that_cannot_fit_or_repeat_an_id_are_refused(model):
         engine.add_request([3], SamplingParams(max_new_tokens=4), id="a")
     with pytest.raises(ValueError, match="mode"):
         EngineConfig(mode="full")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    vocab = model.config.vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request(bad, SamplingParams(max_new_tokens=2), id="b")
+    engine.add_request([1], SamplingParams(max_new_tokens=2), id="b")  # a refusal took neither the id nor pages
 
 
 def test_serve_sizes():
