@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
 from ..config import Config
@@ -164,7 +165,10 @@ def _compile_pieces(
                 compiled[target] = _compile_piece(getattr(split_gm, target), list(args), config.compiler)
             return super().call_module(target, args, kwargs)
 
-    with fake_mode:
+    # Under the Python dispatcher, as Dynamo and AOTAutograd run graphs on fakes: without it a C++ composite
+    # kernel may read concrete sizes (torch 2.11's matmul does, in transformers' rotary embedding), which
+    # specialises the token count and fails the trace with a ConstraintViolationError.
+    with fake_mode, enable_python_dispatcher():
         _Compiler(split_gm).run(*fake_args)
     return compiled
 

@@ -39,7 +39,10 @@ NEW = 16
 def tiny(model_type, seed=0, **changes):
     config = transformers.AutoConfig.for_model(model_type, **{**BASE, **ARCHS[model_type], **changes})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Gemma 2's reference is its eager attention: transformers < 5.2x loads it with sdpa, which drops the
+    # attention logit softcap (Hugging Face's own forward is then not Gemma 2).
+    attn = {"attn_implementation": "eager"} if model_type == "gemma2" else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()
     with torch.no_grad():  # projections ~ N(0, 1/fan_in): each layer matters, so greedy tokens depend on context
         for name, param in model.named_parameters():
             if "proj" in name and param.dim() >= 2:
