@@ -125,9 +125,25 @@ def test_a_stale_plan_is_replanned_not_reused():
     q, k, v = (torch.randn(7, h * CFG.head_dim, generator=gen) for h in (6, 2, 2))
     want = _op(torch_cache, AttentionMetadata.for_batch(torch_cache, [(0, 0, 4), (1, 0, 3)]), q, k, v)
     step_a = AttentionMetadata.for_batch(fi_cache, [(0, 0, 4), (1, 0, 3)])
-    AttentionMetadata.for_batch(fi_cache, [(2, 0, 6), (3, 0, 2)])  # replaces the prefill wrapper's plan
+    step_b = AttentionMetadata.for_batch(fi_cache, [(2, 0, 6), (3, 0, 2)])
+    assert _rel(_op(fi_cache, step_a, q, k, v), want) < 1e-5  # its first call plans (lazily): not a re-plan
+    qb, kb, vb = (torch.randn(8, h * CFG.head_dim, generator=gen) for h in (6, 2, 2))
+    _op(fi_cache, step_b, qb, kb, vb)  # replaces the prefill wrapper's plan
+    assert fi_cache.backend.replans == 0
     assert _rel(_op(fi_cache, step_a, q, k, v), want) < 1e-5
     assert fi_cache.backend.replans == 1
+
+
+def test_a_full_graph_step_never_plans_the_eager_wrapper_nor_builds_a_page_table():
+    # The eager plan is lazy: a decode step that replays a full graph reads only for_cuda_graph's metadata, so
+    # the eager decode wrapper's plan() (65-690 us on the H200) and its page layout are never paid for.
+    _, fi_cache = _caches(seed=7)
+    fi_cache.reserve([(0, 9), (1, 5)])
+    meta = AttentionMetadata.for_decode(fi_cache, [(0, 8), (1, 4)])
+    assert meta.is_decode and meta.page_table is None and meta.batch_indices is None
+    view = meta.for_cuda_graph(4)
+    assert view.plan.graph and view.batch_indices.shape == (4,)
+    assert meta.plan.kv_indptr is None and fi_cache.backend._decode.holds is None
 
 
 def test_forward_refuses_a_dtype_the_cache_was_not_planned_for():

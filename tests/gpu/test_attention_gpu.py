@@ -183,9 +183,12 @@ def test_stale_plan_is_replanned(kind, record_result):
     for c in (fresh_cache, cache):
         c.reserve(prefixes)
     meta_a = AttentionMetadata.for_batch(cache, step_a)
-    meta_b = AttentionMetadata.for_batch(cache, step_b)  # now the wrapper holds B's plan
+    meta_b = AttentionMetadata.for_batch(cache, step_b)
     n = meta_a.num_tokens
     q, k, v = _qkv(ATTN, n, seed=5)
+    _attend(meta_a, q, k, v, [0])  # plans are lazy: A's first call plans it
+    _attend(meta_b, *_qkv(ATTN, meta_b.num_tokens, seed=6), [0])  # now the wrapper holds B's plan
+    assert cache.backend.replans == 0
     got = _attend(meta_a, q, k, v, [0])
     assert cache.backend.replans == 1
     expected = _attend(AttentionMetadata.for_batch(fresh_cache, step_a), q, k, v, [0])

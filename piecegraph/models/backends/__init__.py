@@ -24,6 +24,7 @@ class AttentionBackend(Protocol):
     """What the attention op needs from a backend. ``name`` is recorded by the benchmark."""
 
     name: str
+    reads_page_table: bool  # whether decode steps need AttentionMetadata.page_table (a dense host-built table)
 
     def plan(self, meta: "AttentionMetadata") -> None:
         """Fill ``meta``'s backend fields for its step (host work; may copy to the device, never syncs)."""

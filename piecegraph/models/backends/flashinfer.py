@@ -1,6 +1,7 @@
 """The ``flashinfer`` attention backend: FlashInfer's paged kernels behind the one split op (CUDA only).
 
-``plan`` (host, once per step) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout
+``plan`` (host, once per step; lazily, at the step's first attention call, so a step replaying a full graph
+skips it) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout
 (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) plus, for the cache write, each new token's
 batch index and position; the device half goes in one packed copy. A pure decode step plans a
 ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores); anything else (prefill, mixed, chunked-prefill
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from piecegraph.models.config import ModelConfig
-from piecegraph.models.metadata import AttentionMetadata, BatchLayout, to_device
+from piecegraph.models.metadata import AttentionMetadata, BatchLayout, host_tensor, to_device
 from piecegraph.models.pages import SCRATCH_PAGE, pages_for
 
 if TYPE_CHECKING:
@@ -78,15 +79,20 @@ class _Slot:
 @dataclass(eq=False)  # identity: "is this the plan the wrapper holds?"
 class FlashInferPlan:
     """What ``forward`` needs: the wrapper's slot, the device page layout the cache write reads, and the
-    ``plan()`` arguments to re-plan with (none for a graph plan, whose wrapper ``for_cuda_graph`` re-plans)."""
+    ``plan()`` arguments to re-plan with (none for a graph plan, whose wrapper ``for_cuda_graph`` re-plans).
+
+    An eager plan is lazy: ``layout`` is kept and the page layout and ``plan()`` happen at the step's first
+    attention call (``kv_indptr`` is None until then), so a step that replays a full graph (whose metadata
+    ``for_cuda_graph`` builds anew) never pays for the eager wrapper's plan."""
 
     slot: _Slot
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = None
     args: tuple = ()
     kwargs: dict | None = None
     graph: bool = False
+    layout: BatchLayout | None = None
 
 
 @dataclass(eq=False)
@@ -123,17 +129,28 @@ class FlashInferBackend:
             pass
 
     # -- planning (host, once per step) -----------------------------------------------------------------
+    reads_page_table = False  # it reads its own CSR page layout: AttentionMetadata skips the dense table
+
     def plan(self, meta: AttentionMetadata) -> None:
-        cache, layout = meta.cache, _layout(meta)
-        dev, cpu = _page_layout(layout, cache.device)
-        meta.batch_indices, meta.append_positions = dev["batch_indices"], dev["append_positions"]
+        """Lazy: records the step's layout; :meth:`_plan_now` runs at its first attention call."""
         slot = self._decode if meta.is_decode else self._prefill
-        head = () if meta.is_decode else (cpu["qo_indptr"],)
-        args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
-        kwargs = self._options(cache) if meta.is_decode else {**self._options(cache), "causal": True}
-        plan = FlashInferPlan(slot, dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"], args, kwargs)
-        self._plan_on(slot, plan.args, plan.kwargs)
-        slot.holds = meta.plan = plan
+        meta.plan = FlashInferPlan(slot, layout=_layout(meta))
+
+    def _plan_now(self, meta: AttentionMetadata, plan: FlashInferPlan) -> None:
+        """The page layout (device half in one copy) and the wrapper's ``plan()`` of an eager step."""
+        if self._capturing():
+            raise RuntimeError("flashinfer attention: a step's first attention call is being captured, but "
+                               "FlashInfer plans on the host first; run the step once before capturing it")
+        cache, decode = meta.cache, meta.is_decode
+        dev, cpu = _page_layout(plan.layout, cache.device)
+        meta.batch_indices, meta.append_positions = dev["batch_indices"], dev["append_positions"]
+        head = () if decode else (cpu["qo_indptr"],)
+        plan.args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
+        plan.kwargs = self._options(cache) if decode else {**self._options(cache), "causal": True}
+        plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len = (
+            dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"])
+        self._plan_on(plan.slot, plan.args, plan.kwargs)
+        plan.slot.holds = plan
 
     def _shape(self, cache: KVCache) -> tuple[int, int, int, int]:
         return self.num_heads, cache.num_kv_heads, cache.head_dim, cache.page_size
@@ -187,7 +204,7 @@ class FlashInferBackend:
         self._plan_graph(graph.plan.slot, size, args, self._options(cache))
         view = meta.replace(
             positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
-            page_table=_pad_rows(meta.page_table, pad), kv_lens=_pad_rows(meta.kv_lens, pad),
+            kv_lens=_pad_rows(meta.kv_lens, pad),
             batch_indices=dev["batch_indices"], append_positions=dev["append_positions"], mask=None,
             plan=graph.plan,
         )
@@ -238,7 +255,9 @@ class FlashInferBackend:
         if not isinstance(plan, FlashInferPlan):
             raise TypeError("flashinfer attention: the metadata was not planned by a flashinfer backend (built "
                              "for another cache?); build it with AttentionMetadata.for_batch on this cache")
-        if not plan.graph and plan.slot.holds is not plan:
+        if not plan.graph and plan.kv_indptr is None:
+            self._plan_now(meta, plan)
+        elif not plan.graph and plan.slot.holds is not plan:
             self._replan(plan)
         kc, vc = cache.k[layer], cache.v[layer]
         self._fi.append_paged_kv_cache(
@@ -276,7 +295,7 @@ def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = 
     host = {"batch_indices": batch, "append_positions": positions, "kv_indices": indices}
     if not append_only:
         host.update(kv_indptr=kv_indptr, kv_last_page_len=last)
-    cpu = torch.tensor([*qo_indptr, *kv_indptr, *last], dtype=torch.int32)
+    cpu = host_tensor([*qo_indptr, *kv_indptr, *last], torch.int32)
     b1 = len(qo_indptr)
     views = {"qo_indptr": cpu[:b1], "kv_indptr": cpu[b1:2 * b1], "kv_last_page_len": cpu[2 * b1:]}
     return to_device(host, device, dtype=torch.int32), views

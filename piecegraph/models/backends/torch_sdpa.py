@@ -46,6 +46,7 @@ class TorchBackend:
     """SDPA over gathered pages; see the module docstring. Works on any device torch runs SDPA on."""
 
     name = "torch"
+    reads_page_table = True  # decode steps gather pages through AttentionMetadata.page_table
 
     def __init__(self, config: ModelConfig) -> None:
         self.group = config.num_heads // config.num_kv_heads
