@@ -89,8 +89,9 @@ if has hf-bench; then  # the transformers model itself beside the reference deco
     flag=$([ $which = hf ] && echo --hf || true)
     python3 -m piecegraph.cli bench --model /tmp/pg-qwen2-hf $flag --device cuda --attention flashinfer \
       --modes eager,full,piecewise --batches "${BATCHES:-1,10,256}" --prefill "${PREFILL:-128,2048}" \
-      --json "$OUT/${which}_bench.json" 2>&1 | tail -30 | tee -a "$OUT/hf_bench.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      --profile "${PROFILE:-piecewise:1}" --json "$OUT/${which}_bench.json" >>"$OUT/hf_bench.log" 2>&1
+    [ $? = 0 ] || status=1
+    tail -40 "$OUT/hf_bench.log"
   done
 fi
 if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies
