@@ -20,7 +20,8 @@ console = Console()
 
 @app.command()
 def demo(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | PATH (auto: tiny on "
+                              "CPU, 0.5B shape on GPU)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     steps: int = typer.Option(16, min=2, help="tokens to generate per prompt"),
     attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),

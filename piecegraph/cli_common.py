@@ -1,9 +1,11 @@
-"""Helpers shared by the CLI commands: device choice and model loading."""
+"""Helpers shared by the CLI commands: device choice, model loading and ``--tp``."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import typer
@@ -46,15 +48,14 @@ def resolve_attention(attention: str, device: str) -> str:
 
 
 def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False):
-    """``tiny``, ``qwen2.5-0.5b`` (random reference decoders) or a local checkpoint directory: the reference
-    decoder for Qwen2/Llama, unless ``hf`` (``--hf``) or another model type asks for the Hugging Face model
-    itself through :mod:`piecegraph.hf`."""
-    from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, load_hf
+    """``tiny``, ``qwen2.5-0.5b``, ``llama-7b-shape`` (random reference decoders) or a local checkpoint
+    directory: the reference decoder for Qwen2/Llama, unless ``hf`` (``--hf``) or another model type asks for
+    the Hugging Face model itself through :mod:`piecegraph.hf`."""
+    from piecegraph.models import LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, Decoder, load_hf
 
-    if model == "tiny":
-        return Decoder.random(TINY, seed=0, dtype=dtype, device=device).eval()
-    if model == "qwen2.5-0.5b":
-        return Decoder.random(QWEN2_5_0_5B, seed=0, dtype=dtype, device=device).eval()
+    presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-7b-shape": LLAMA_7B_SHAPE}
+    if model in presets:
+        return Decoder.random(presets[model], seed=0, dtype=dtype, device=device).eval()
     if Path(model).is_dir() and (hf or _needs_transformers(model)):
         return _load_transformers(model, device, dtype)
     if hf:
@@ -66,7 +67,8 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False):
         except (FileNotFoundError, ValueError) as err:  # not a checkpoint, or one we cannot read: say which
             raise typer.BadParameter(str(err).splitlines()[0], param_hint="--model") from None
     raise typer.BadParameter(
-        f"{model!r} is not 'tiny', 'qwen2.5-0.5b' or a local Hugging Face directory", param_hint="--model"
+        f"{model!r} is not 'tiny', 'qwen2.5-0.5b', 'llama-7b-shape' or a local Hugging Face directory",
+        param_hint="--model"
     )
 
 
@@ -96,3 +98,36 @@ def int_list(text: str, option: str) -> list[int]:
     if any(v < 1 for v in values):
         raise typer.BadParameter(f"{text!r}: values must be positive", param_hint=option)
     return values
+
+
+def start_tp(tp: int, device: str) -> Any:
+    """``--tp``: ``None`` for 1. Otherwise, outside torchrun, run this command again as ``tp`` ranks under
+    torchrun and exit with its code; inside it, join the group as one rank (a
+    :class:`~piecegraph.parallel.launch.TPRun`). Call before loading the model."""
+    if tp <= 1:
+        return None
+    from piecegraph.parallel.launch import init_tp, needs_relaunch, relaunch
+
+    try:
+        again = needs_relaunch(tp)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--tp") from None
+    if again:
+        raise typer.Exit(relaunch(tp, sys.argv[1:]))
+    try:
+        return init_tp(tp, device)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--tp") from None
+
+
+def shard_for_tp(net: torch.nn.Module, run: Any) -> torch.nn.Module:
+    """``net`` sharded over the ``--tp`` group (all-reduce inside the pieces), or ``net`` when ``run`` is None."""
+    if run is None:
+        return net
+    from piecegraph.parallel import apply_tp
+    from piecegraph.parallel.launch import GROUP
+
+    try:
+        return apply_tp(net, GROUP)
+    except (TypeError, ValueError) as err:
+        raise typer.BadParameter(str(err), param_hint="--tp") from None

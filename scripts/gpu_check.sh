@@ -4,8 +4,10 @@
 # Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench serve" by default:
 # pick a subset to split the work over several calls). "serve" runs the serving benchmark (serve-bench) at
 # concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. "hf-bench"
-# times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights). Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are
-# installed first, for machines without network access.
+# times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights).
+# "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
+# without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
 # again with xz, because its wheel is too big to carry) then also gets the parts asked for among tests (only
 # the FlashInfer GPU tests, run beside the main tests), overhead and doctor, with that FlashInfer first on
@@ -100,6 +102,19 @@ if has serve; then  # alone on the GPU: continuous batching, every mode, four co
     --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
     --json "$OUT/serve_bench.json" --plot "$OUT/serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench at TP 1 and 2 on two shapes
+  python3 -m pytest tests/gpu/test_tp_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  for model in qwen2.5-0.5b llama-7b-shape; do
+    for tp in 1 2; do
+      NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} python3 -m piecegraph.cli bench --model $model --tp $tp --device cuda \
+        --attention flashinfer --modes eager,full,piecewise --batches "${BATCHES:-1,10,256}" \
+        --prefill "${PREFILL:-128,2048}" --json "$OUT/tp${tp}_${model}_bench.json" >>"$OUT/tp_bench.log" 2>&1
+      [ $? = 0 ] || status=1
+    done
+  done
+  tail -60 "$OUT/tp_bench.log"
 fi
 if [ -n "${BUNDLE:-}" ]; then  # one archive instead of many files: the device tool brings back at most 8
   tar -czf /tmp/pg-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/pg-results.tgz "$OUT/$BUNDLE"

@@ -10,7 +10,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from piecegraph.cli_common import check_writable, int_list, load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import (
+    check_writable,
+    int_list,
+    load_model,
+    resolve_attention,
+    resolve_device,
+    shard_for_tp,
+    start_tp,
+)
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
@@ -22,15 +30,24 @@ def _ints(text: str, option: str) -> list[int]:
     return [] if text.strip().lower() == "none" else int_list(text, option)
 
 
-def _modes(text: str, device: str) -> list[str]:
+# What --tp runs: piecegraph's own modes and eager. The others (torch.compile's, Meta's runner, the baked graph)
+# would put the all-reduce where their own compilers decide, untested across ranks.
+TP_MODES = ("eager", "full", "full-compiled", "piecewise", "breakable", "none")
+
+
+def _modes(text: str, device: str, tp: int = 1) -> list[str]:
     from piecegraph.bench.modes import CPU_MODES, GPU_MODES, KNOWN_MODES
 
     if text == "auto":
-        return list(GPU_MODES if device == "cuda" else CPU_MODES)
+        names = list(GPU_MODES if device == "cuda" else CPU_MODES)
+        return [m for m in names if m in TP_MODES] if tp > 1 else names
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in KNOWN_MODES]
     if unknown or not names:
         raise typer.BadParameter(f"unknown modes {unknown}; choose from {', '.join(KNOWN_MODES)}", param_hint="--modes")
+    if tp > 1 and any(m not in TP_MODES for m in names):
+        raise typer.BadParameter(f"--tp {tp} runs the modes {', '.join(TP_MODES)}; not "
+                                 f"{', '.join(m for m in names if m not in TP_MODES)}", param_hint="--modes")
     return names
 
 
@@ -47,7 +64,8 @@ def _profile_spec(text: str | None) -> tuple[str, int] | None:
 
 
 def bench(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | PATH (auto: tiny on "
+                              "CPU, 0.5B shape on GPU)"),
     modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,breakable,"
                               "torch.compile,reduce-overhead,graph-partition,baked-graph,meta-pcg,none "
                               "(auto: all on GPU, eager,none on CPU)"),
@@ -63,6 +81,8 @@ def bench(
                                   "(auto: FlashInfer on a GPU that has it, else torch)"),
     hf: bool = typer.Option(False, "--hf", help="load --model PATH as the Hugging Face model itself "
                             "(piecegraph.hf) instead of the reference decoder"),
+    tp: int = typer.Option(1, min=1, help="tensor-parallel ranks: one process per GPU under torchrun (started "
+                           "for you), rank 0 reports; the JSON records the world size"),
 ) -> None:
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
     from piecegraph.bench.harness import environment
@@ -77,32 +97,41 @@ def bench(
     batch_list, prefill_list = _ints(batches, "--batches"), _ints(prefill, "--prefill")
     if not batch_list:
         raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
-    mode_list, spec = _modes(modes, device), _profile_spec(profile)
+    mode_list, spec = _modes(modes, device, tp), _profile_spec(profile)
+    run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
+    reports = run is None or run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
-    net = load_model(model, device, dtype, hf=hf)
+    net = shard_for_tp(load_model(model, device, dtype, hf=hf), run)
     _check_backend(net, backend)
     op_us = attention_op_us(net, backend, context)  # before the sweep: a sweep cut short still records it
     partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
 
     def env_of(result: Any) -> dict[str, Any]:
-        return environment(net, model, result.bandwidth_gbs, context=context, repeats=repeats, batches=batch_list,
-                           prefill=prefill_list, modes=mode_list, attention=attention,
-                           attention_backend=result.attention_backend or backend,
-                           inductor_graph_partition=partition_default)
+        return {**environment(net, model, result.bandwidth_gbs, context=context, repeats=repeats,
+                              batches=batch_list, prefill=prefill_list, modes=mode_list, attention=attention,
+                              attention_backend=result.attention_backend or backend,
+                              inductor_graph_partition=partition_default),
+                "world_size": tp, "tp_backend": run.backend if run else None}
 
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
-        if json_path:
+        if json_path and reports:
             data = payload({**env_of(result), "partial": True}, result.rows, result.modes, attention_op_us=op_us)
             write_json(json_path, data)
 
     def log(line: str) -> None:  # plain: reasons and tracebacks hold brackets that rich would read as markup
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if reports:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
                        on_mode=save_partial, attention=backend)
-    profiled = _run_profile(net, spec, context, backend) if spec else None
-    _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)
+    profiled = _run_profile(net, spec, context, backend, reports) if spec else None
+    if reports:
+        _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)
+    if run is not None:
+        from piecegraph.parallel.launch import finish_tp
+
+        finish_tp()
 
 
 def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: Any, json_path: Path | None,
@@ -110,9 +139,10 @@ def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: 
     """The sweep's table, the attention op's cost, the compact summary; then the JSON and the PNG if asked."""
     from piecegraph.bench.report import compact, payload, rich_table, write_json
 
-    context = env["context"]
-    console.print(rich_table(result.rows, f"{model} {env['dtype']} on {env['gpu']}, torch {env['torch']}, "
-                                          f"{env['attention_backend']} attention, context {context}"))
+    context, tp = env["context"], env.get("world_size", 1)
+    console.print(rich_table(result.rows, f"{model} {env['dtype']} on {env['gpu']}{f' x{tp} (tp)' if tp > 1 else ''}"
+                                          f", torch {env['torch']}, {env['attention_backend']} attention, "
+                                          f"context {context}"))
     console.print(_op_table(op_us, env["attention_backend"]))
     data = payload(env, result.rows, result.modes, profiled, attention_op_us=op_us)
     console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
@@ -163,7 +193,8 @@ def _op_table(op_us: dict[str, Any], backend: str) -> Table:
     return table
 
 
-def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int, backend: str) -> dict:
+def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int, backend: str,
+                 reports: bool = True) -> dict:
     from piecegraph.bench.profile import profile_step
 
     mode, batch = spec
@@ -171,6 +202,8 @@ def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int, back
         result = profile_step(net, mode, batch, context=context, attention=backend)
     except Exception as exc:  # noqa: BLE001  (the sweep's results still get written)
         result = {"mode": mode, "batch": batch, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]}
+    if not reports:
+        return result
     table = Table(title=f"profile: {mode}, decode batch {batch}")
     table.add_column("what")
     table.add_column("value", justify="right", max_width=100, overflow="fold")

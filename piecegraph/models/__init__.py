@@ -5,7 +5,7 @@ Importing this package registers ``torch.ops.piecegraph_models.attention`` and d
 """
 
 from piecegraph.models import attention as _attention  # noqa: F401  (registers the split op)
-from piecegraph.models.config import ATTENTION_BACKENDS, QWEN2_5_0_5B, TINY, ModelConfig
+from piecegraph.models.config import ATTENTION_BACKENDS, LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, ModelConfig
 from piecegraph.models.decoder import Decoder
 from piecegraph.models.generate import dummy_inputs, generate
 from piecegraph.models.kv_cache import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, KVCache, OutOfPagesError
@@ -21,6 +21,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "OutOfPagesError",
+    "LLAMA_7B_SHAPE",
     "QWEN2_5_0_5B",
     "SCRATCH_PAGE",
     "TINY",

@@ -175,3 +175,10 @@ QWEN2_5_0_5B = ModelConfig(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
     head_dim=64, rms_eps=1e-6, rope_theta=1e6, tie_embeddings=True, qkv_bias=True, max_seq_len=4096,
 )
+
+# Llama-2-7B's dimensions with 8 kv heads (GQA, as Llama 3 and Mistral): the shape that benefits from tensor
+# parallelism in the benchmarks (13.5 GB of bf16 weights). Random weights only: it names no checkpoint.
+LLAMA_7B_SHAPE = ModelConfig(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128, rms_eps=1e-5, rope_theta=1e4, tie_embeddings=False, qkv_bias=False, max_seq_len=4096,
+)

@@ -11,7 +11,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from piecegraph.cli_common import check_writable, int_list, load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import (
+    check_writable,
+    int_list,
+    load_model,
+    resolve_attention,
+    resolve_device,
+    shard_for_tp,
+    start_tp,
+)
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
@@ -64,7 +72,8 @@ def capture_progress() -> Iterator[Any]:
 
 
 def serve_bench(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | PATH (auto: tiny on "
+                              "CPU, 0.5B shape on GPU)"),
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
@@ -92,6 +101,8 @@ def serve_bench(
     plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG: throughput, TTFT, ITL by concurrency"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
+    tp: int = typer.Option(1, min=1, help="tensor-parallel ranks: one process per GPU under torchrun (started "
+                           "for you), every rank runs the same engine, rank 0 reports; the JSON has the world size"),
 ) -> None:
     """Serve random requests with closed-loop clients per concurrency and mode; throughput, TTFT, ITL, graphs."""
     from piecegraph.serve.bench import Workload
@@ -109,9 +120,11 @@ def serve_bench(
     counts = _counts(requests, conc)
     if compiler not in ("inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
+    run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
+    reports = run is None or run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    net = load_model(model, device, dtype)
+    net = shard_for_tp(load_model(model, device, dtype), run)
     gpu = device == "cuda"
     work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
     max_len = min(-(-work.max_len // page_size) * page_size, net.config.max_seq_len)  # whole pages when it can
@@ -123,22 +136,31 @@ def serve_bench(
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference)
-    env = _environment(model, device, dtype, backend, plan)
+    env = {**_environment(model, device, dtype, backend, plan), "world_size": tp,
+           "tp_backend": run.backend if run else None}
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if reports:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def save(results: list[dict[str, Any]]) -> None:  # after each mode: a run cut short keeps what it finished
-        if json_path:
+        if json_path and reports:
             write_json(json_path, payload(env, results))
 
-    console.print(f"[bold]serve-bench[/]: {model} on {env['device']} ({env['dtype']}, {backend} attention), modes "
-                  f"{', '.join(mode_list)}, concurrency {conc}, requests {[plan.num_requests(c) for c in conc]}")
-    with capture_progress() as progress:
+    if reports:
+        console.print(f"[bold]serve-bench[/]: {model} on {env['device']} ({env['dtype']}, {backend} attention"
+                      f"{f', tp {tp}' if tp > 1 else ''}), modes {', '.join(mode_list)}, concurrency {conc}, "
+                      f"requests {[plan.num_requests(c) for c in conc]}")
+    with capture_progress() if reports else contextlib.nullcontext(lambda mode: None) as progress:
         results = run_sweep(net, plan, log=log, progress=progress, on_mode=save)
     save(results)
-    _report(results, f"{model} {env['dtype']} on {env['device']}, torch {env['torch']}, {backend} attention",
-            json_path, plot_path)
+    if run is not None:
+        from piecegraph.parallel.launch import finish_tp
+
+        finish_tp()
+    if reports:
+        _report(results, f"{model} {env['dtype']} on {env['device']}{f' x{tp} (tp)' if tp > 1 else ''}, torch "
+                f"{env['torch']}, {backend} attention", json_path, plot_path)
 
 
 def _report(results: list[dict[str, Any]], title: str, json_path: Path | None, plot_path: Path | None) -> None:

@@ -92,6 +92,16 @@ def test_tp2_equals_tp1(ranks, config, variant):
     assert ranks[0][f"{config}/{variant}"]["tokens"] == ranks[1][f"{config}/{variant}"]["tokens"]
 
 
+def test_the_serving_engine_on_tp2_gives_the_tp1_tokens(ranks):
+    """Continuous batching with chunked prefill and preemption (7 pages of 4 tokens for 3 requests) on both
+    ranks in lockstep: each request's tokens equal TP=1 greedy decoding, on both ranks."""
+    for r, results in enumerate(ranks):
+        entry = results["tiny/engine_auto"]
+        assert entry["tokens_equal"], (r, entry["tokens"], entry["ref_tokens"])
+        assert entry["by_kind"].get("full", 0) > 0 and entry["by_kind"].get("piecewise", 0) > 0, entry
+        assert entry["preemptions"] > 0, entry
+
+
 def test_apply_tp_refuses_heads_that_do_not_divide(ranks):
     for results in ranks:
         assert "num_heads (3) must divide by the world size 2" in results["refuses_odd_heads"]
@@ -120,3 +130,46 @@ def test_group_registry_errors_say_what_to_do():
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             register_group("tp")
+
+
+def _cli(tmp_path, *args) -> tuple[str, dict]:
+    """``python -m piecegraph.cli ARGS --tp 2 --json F`` (it starts torchrun itself); its output and the JSON."""
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "piecegraph.cli", *args, "--tp", "2", "--device", "cpu",
+                           "--model", "tiny", "--json", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+def test_bench_tp2_runs_as_two_ranks_and_rank0_reports(tmp_path):
+    stdout, data = _cli(tmp_path, "bench", "--modes", "eager,none", "--batches", "1,4", "--prefill", "12",
+                        "--repeats", "2")
+    assert data["env"]["world_size"] == 2 and data["env"]["tp_backend"] == "gloo"
+    rows = {(r["mode"], r["phase"], r.get("batch") or r.get("tokens")): r for r in data["rows"]}
+    assert set(rows) == {(m, p, n) for m in ("eager", "none") for p, n in (("decode", 1), ("decode", 4),
+                                                                           ("prefill", 12))}
+    assert all(r["rel_err"] < 1e-5 for r in rows.values()), rows  # compiled TP against eager TP
+    assert stdout.count("wrote ") == 1  # rank 0 alone reports
+
+
+def test_serve_bench_tp2_runs_as_two_ranks_and_rank0_reports(tmp_path):
+    stdout, data = _cli(tmp_path, "serve-bench", "--modes", "auto", "--concurrency", "2", "--requests", "3",
+                        "--warmup", "0", "--no-reference")
+    assert data["env"]["world_size"] == 2 and data["env"]["tp_backend"] == "gloo"
+    (mode,) = data["modes"]
+    assert mode.get("error") is None, mode
+    assert [r["requests"] for r in mode["rows"]] == [3]
+    assert stdout.count("wrote ") == 1
+
+
+def test_tp_refuses_a_torchrun_world_of_another_size(monkeypatch):
+    from piecegraph.parallel.launch import needs_relaunch
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="--tp 2 but torchrun started 4 processes"):
+        needs_relaunch(2)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert needs_relaunch(2) and not needs_relaunch(1)

@@ -109,6 +109,23 @@ def _hf_results() -> dict:
     return results
 
 
+def _engine_results() -> dict:
+    """The serving engine on the sharded decoder (auto: emulated full decode graphs, piecewise otherwise), with
+    a page budget small enough to preempt, against TP=1 greedy decoding."""
+    from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+    ref = Decoder.random(CONFIGS["tiny"], seed=3)
+    ref_tokens = generate(ref, PROMPTS, NEW_TOKENS)
+    model = apply_tp(Decoder.random(CONFIGS["tiny"], seed=3), "tp")
+    config = EngineConfig(mode="auto", max_num_seqs=3, max_num_batched_tokens=8, num_pages=7, page_size=4,
+                          max_seq_len=32, compiler="eager", emulate_graphs=True)
+    engine = Engine(model, config)
+    tokens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+    stats = engine.stats()
+    return {"tiny/engine_auto": {"tokens_equal": tokens == ref_tokens, "tokens": tokens, "ref_tokens": ref_tokens,
+                                 "by_kind": stats["by_kind"], "preemptions": stats["preemptions"]}}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -121,6 +138,7 @@ def main() -> None:
         for vname, (inplace, kwargs, decode_kwargs) in VARIANTS.items():
             model = apply_tp(Decoder.random(config, seed=3), "tp", inplace=inplace)
             results[f"{cname}/{vname}"] = _variant(model, kwargs, decode_kwargs, ref_logits, ref_tokens)
+    results.update(_engine_results())
     results.update(_hf_results())
     try:
         apply_tp(Decoder.random(TINY.replace(num_heads=3, num_kv_heads=1)), "tp")
