@@ -124,7 +124,7 @@ def bench(
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
-                       on_mode=save_partial, attention=backend)
+                       on_mode=save_partial, attention=backend, keep_going=run is None)
     profiled = _run_profile(net, spec, context, backend, reports) if spec else None
     if reports:
         _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)

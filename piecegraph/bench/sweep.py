@@ -84,8 +84,9 @@ def _mode_facts(prep: bench_modes.Prepared, setup_s: float) -> dict[str, Any]:
 
 
 def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inputs: Any, repeats: int,
-              bandwidth_gbs: float, log: Log) -> tuple[list[Row], dict[str, Any]]:
-    """Rows of one mode; a failure skips the affected rows with the reason instead of ending the run."""
+              bandwidth_gbs: float, log: Log, keep_going: bool = True) -> tuple[list[Row], dict[str, Any]]:
+    """Rows of one mode; a failure skips the affected rows with the reason instead of ending the run (unless
+    ``keep_going`` is false: then it raises)."""
     reason = bench_modes.unavailable(name)
     if reason is None:
         decode = [c.size for c in cases if c.phase == "decode"]
@@ -93,6 +94,8 @@ def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inp
         try:
             prep = bench_modes.prepare(name, model, decode, prefill, make_inputs)
         except Exception as exc:  # noqa: BLE001  (a mode that cannot build is a result, not a crash)
+            if not keep_going:
+                raise
             reason = _reason(exc, log)
     if reason is not None:
         log(f"{name}: skipped ({reason})")
@@ -103,6 +106,8 @@ def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inp
             try:
                 row, warm_s = _time_case(prep, case, repeats, bandwidth_gbs)
             except Exception as exc:  # noqa: BLE001  (one failing case skips its row, not the mode)
+                if not keep_going:
+                    raise
                 row, warm_s = Row(name, case.phase, case.size, skipped=_reason(exc, log)), 0.0
             warm_total += warm_s
             rows.append(row)
@@ -128,7 +133,8 @@ def _describe(row: Row) -> str:
 
 def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[int], prefill: Sequence[int],
               context: int = 256, repeats: int = 20, log: Log = print,
-              on_mode: Callable[[SweepResult], None] | None = None, attention: str = "auto") -> SweepResult:
+              on_mode: Callable[[SweepResult], None] | None = None, attention: str = "auto",
+              keep_going: bool = True) -> SweepResult:
     """Time ``modes`` on decode steps (``batches`` sequences at ``context`` cached tokens) and packed prefills
     (``prefill`` total tokens each), all against the same eager references and paged caches, whose attention
     backend is ``attention`` (``auto | torch | flashinfer``; the resolved name is ``result.attention_backend``).
@@ -136,7 +142,8 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     Constraints: ``model`` is a reference :class:`~piecegraph.models.Decoder` (or loads like one); ``batches``
     is non-empty (the decode cache is sized by it, and graphed modes capture with it); sizes are positive.
     ``on_mode(result)`` runs after each mode with the rows so far (write partial results: a sweep cut short by a
-    time limit keeps the modes it finished).
+    time limit keeps the modes it finished). ``keep_going=False`` raises at the first failure instead of
+    skipping: a tensor-parallel rank must, since its peers would pair their collectives with its next mode's.
     """
     if not batches or min(batches) < 1 or (prefill and min(prefill) < 1):
         raise ValueError(f"batches {list(batches)} and prefill {list(prefill)} must be positive (batches non-empty)")
@@ -149,7 +156,8 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     _references(model, cases)
     result = SweepResult([], bandwidth_gbs=bandwidth, attention_backend=cache.backend.name)
     for name in modes:
-        rows, facts = _run_mode(name, model, cases, capture_inputs(model, cache), repeats, bandwidth, log)
+        rows, facts = _run_mode(name, model, cases, capture_inputs(model, cache), repeats, bandwidth, log,
+                                keep_going)
         result.rows += rows
         result.modes[name] = facts
         bench_modes.release()

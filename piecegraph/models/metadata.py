@@ -67,8 +67,8 @@ class AttentionMetadata:
     only for a backend whose ``reads_page_table`` is true) and ``kv_lens`` (int64 ``[n]``) are set: all
     token-aligned, so a full CUDA graph can capture the op and piecegraph refills copies of them per replay.
     ``backend`` holds the backend's tensors of this step (token-aligned ones only in a decode step) and ``plan``
-    its host-side plan. ``n`` may be smaller than the
-    token count the model is called with: the caller padded the batch, and pad rows come out zero.
+    its host-side plan. ``n`` may be smaller than the token count the model is called with: the caller padded
+    the batch, and pad rows come out zero.
     """
 
     cache: KVCache

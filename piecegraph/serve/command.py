@@ -152,7 +152,7 @@ def serve_bench(
                       f"{f', tp {tp}' if tp > 1 else ''}), modes {', '.join(mode_list)}, concurrency {conc}, "
                       f"requests {[plan.num_requests(c) for c in conc]}")
     with capture_progress() if reports else contextlib.nullcontext(lambda mode: None) as progress:
-        results = run_sweep(net, plan, log=log, progress=progress, on_mode=save)
+        results = run_sweep(net, plan, log=log, progress=progress, on_mode=save, keep_going=run is None)
     save(results)
     if run is not None:
         from piecegraph.parallel.launch import finish_tp

@@ -77,14 +77,19 @@ def _captured(report: dict[str, Any]) -> str:
 
 def run_sweep(model: torch.nn.Module, plan: Plan, log: Callable[[str], None] = print,
               progress: Callable[[str], Progress | None] = lambda mode: None,
-              on_mode: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """Every mode of ``plan``; returns one result per mode (``error`` set where it failed)."""
+              on_mode: Callable[[list[dict[str, Any]]], None] | None = None, keep_going: bool = True
+              ) -> list[dict[str, Any]]:
+    """Every mode of ``plan``; returns one result per mode (``error`` set where it failed). ``keep_going=False``
+    raises at the first failure instead: a tensor-parallel rank must, since its peers would pair their
+    collectives with its next mode's."""
     results: list[dict[str, Any]] = []
     for mode in plan.modes:
         start = time.perf_counter()
         try:
             result = run_mode(model, mode, plan, log, progress)
         except Exception as exc:  # noqa: BLE001  (one failing mode must not lose the others' results)
+            if not keep_going:
+                raise
             log(f"{mode}: failed: {type(exc).__name__}: {exc}")
             log(traceback.format_exc(limit=6))
             result = {"mode": mode, "rows": [], "error": f"{type(exc).__name__}: {exc}"[:500]}

@@ -166,6 +166,10 @@ def test_a_mode_that_fails_to_build_is_a_skipped_result(tiny, monkeypatch):
     rows, facts = sweep._run_mode("piecewise", tiny, decode_cases(tiny, cache, [1], 4), None, 1, 10.0, logged.append)
     assert rows[0].skipped == facts["skipped"] == "failed: RuntimeError: boom"
     assert "Traceback" in logged[0]  # the log keeps the frames a one-line reason drops
+    # A tensor-parallel rank raises instead: its peers would pair their collectives with its next mode's.
+    with pytest.raises(RuntimeError, match="boom"):
+        sweep._run_mode("piecewise", tiny, decode_cases(tiny, cache, [1], 4), None, 1, 10.0, logged.append,
+                        keep_going=False)
 
 
 @pytest.mark.parametrize("total", [1, 2, 7, 8, 16, 40, 128, 511, 2048])
