@@ -89,6 +89,42 @@ def test_flashinfer_backend_equals_torch_backend_over_mixed_steps(steps, page_si
         assert torch.equal(a[1:], b[1:])  # the same slots written, the same values; page 0 is scratch
 
 
+@settings(max_examples=25, deadline=None)
+@given(prefixes=st.lists(st.integers(1, 20), min_size=2, max_size=4),
+       steps=st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=4),
+                      min_size=2, max_size=4),
+       runs=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 2)), min_size=1, max_size=8),
+       seed=st.integers(0, 999))
+def test_metadata_built_ahead_attends_right_in_any_run_order(prefixes, steps, runs, seed):
+    """Plans are lazy and a wrapper holds one plan: steps built ahead, then run in any order, repeated, eagerly
+    or through a full graph's padded view (decode steps), each attend as the torch backend does."""
+    caches = _caches(seed=seed, page_size=4)
+    for cache in caches:
+        cache.reserve([(i, n) for i, n in enumerate(prefixes)])
+    gen = torch.Generator().manual_seed(seed)
+    built = []
+    for step in steps:
+        rows, seen = [], set()
+        for seq, new in step:
+            seq %= len(prefixes)
+            if seq not in seen:
+                seen.add(seq)
+                rows.append((seq, prefixes[seq], 1 if len(step) > 2 else new))
+        n = sum(new for _, _, new in rows)
+        qkv = [torch.randn(n, h * CFG.head_dim, generator=gen) for h in (6, 2, 2)]
+        built.append(([AttentionMetadata.for_batch(c, rows) for c in caches], qkv))
+    for index, via_graph, pad in runs:
+        (torch_meta, fi_meta), qkv = built[index % len(built)]
+        want = _op(caches[0], torch_meta, *qkv)
+        if via_graph and fi_meta.is_decode:  # the view is the padded batch: pad rows are its own rows
+            n = fi_meta.num_tokens
+            padded = [torch.cat([x, torch.randn(pad, x.shape[1], generator=gen)]) for x in qkv]
+            got = _op(caches[1], fi_meta.for_cuda_graph(n + pad), *padded)[:n]
+        else:
+            got = _op(caches[1], fi_meta, *qkv)
+        assert _rel(got, want) < 1e-5, (index, via_graph, pad)
+
+
 def test_full_graph_decode_pads_onto_the_scratch_page_and_equals_torch():
     """Emulated full graphs of size 8 for 3 sequences: pad rows must write and read only the scratch page."""
     model = Decoder.random(CFG, seed=1)
