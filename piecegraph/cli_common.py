@@ -101,12 +101,13 @@ def int_list(text: str, option: str) -> list[int]:
 
 
 def start_tp(tp: int, device: str) -> Any:
-    """``--tp``: ``None`` for 1. Otherwise, outside torchrun, run this command again as ``tp`` ranks under
-    torchrun and exit with its code; inside it, join the group as one rank (a
-    :class:`~piecegraph.parallel.launch.TPRun`). Call before loading the model."""
+    """``--tp``: this process's :class:`~piecegraph.parallel.launch.TPRun` (``SINGLE`` for 1). Otherwise,
+    outside torchrun, run this command again as ``tp`` ranks under torchrun and exit with its code; inside it,
+    join the group as one rank. Call before loading the model."""
+    from piecegraph.parallel.launch import SINGLE, init_tp, needs_relaunch, relaunch
+
     if tp <= 1:
-        return None
-    from piecegraph.parallel.launch import init_tp, needs_relaunch, relaunch
+        return SINGLE
 
     try:
         again = needs_relaunch(tp)
@@ -121,8 +122,8 @@ def start_tp(tp: int, device: str) -> Any:
 
 
 def shard_for_tp(net: torch.nn.Module, run: Any) -> torch.nn.Module:
-    """``net`` sharded over the ``--tp`` group (all-reduce inside the pieces), or ``net`` when ``run`` is None."""
-    if run is None:
+    """``net`` sharded over the ``--tp`` group (all-reduce inside the pieces), or ``net`` when ``run`` is solo."""
+    if run.solo:
         return net
     from piecegraph.parallel import apply_tp
     from piecegraph.parallel.launch import GROUP

@@ -99,7 +99,7 @@ def bench(
         raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
     mode_list, spec = _modes(modes, device, tp), _profile_spec(profile)
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
-    reports = run is None or run.reports
+    reports = run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
     net = shard_for_tp(load_model(model, device, dtype, hf=hf), run)
@@ -112,7 +112,7 @@ def bench(
                               batches=batch_list, prefill=prefill_list, modes=mode_list, attention=attention,
                               attention_backend=result.attention_backend or backend,
                               inductor_graph_partition=partition_default),
-                "world_size": tp, "tp_backend": run.backend if run else None}
+                **run.facts()}
 
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
         if json_path and reports:
@@ -124,14 +124,11 @@ def bench(
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
-                       on_mode=save_partial, attention=backend, keep_going=run is None)
+                       on_mode=save_partial, attention=backend, keep_going=run.solo)
     profiled = _run_profile(net, spec, context, backend, reports) if spec else None
     if reports:
         _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)
-    if run is not None:
-        from piecegraph.parallel.launch import finish_tp
-
-        finish_tp()
+    run.finish()
 
 
 def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: Any, json_path: Path | None,

@@ -4,8 +4,9 @@ A command given ``--tp N`` outside torchrun starts itself again under ``python -
 --standalone --nproc-per-node N`` (:func:`relaunch`) and returns its exit code; each process then joins the
 group (:func:`init_tp`: NCCL on CUDA, one GPU per local rank; gloo on CPU), shards the model with
 :func:`~piecegraph.parallel.apply_tp` and runs the same program, so that every collective pairs up. Rank 0
-alone prints and writes files (:attr:`TPRun.reports`). NCCL's NVLink multicast stays off
-(``NCCL_NVLS_ENABLE=0`` unless the caller set it): torchrun hands its environment to the ranks.
+alone prints and writes files (:attr:`TPRun.reports`); every rank ends with :meth:`TPRun.finish`. NCCL's
+NVLink multicast stays off (``NCCL_NVLS_ENABLE=0`` unless the caller set it): torchrun hands its environment
+to the ranks.
 """
 
 from __future__ import annotations
@@ -26,16 +27,35 @@ GROUP = "tp"  # the name the command line registers its group under
 
 @dataclass(frozen=True)
 class TPRun:
-    """This process's place in a ``--tp`` run: its rank, the world size and the collective backend."""
+    """This process's place in a ``--tp`` run: its rank, the world size and the collective backend (``None``
+    for a single process, :data:`SINGLE`)."""
 
     rank: int
     world: int
-    backend: str
+    backend: str | None
+
+    @property
+    def solo(self) -> bool:
+        """A single process: no group, nothing sharded."""
+        return self.world == 1
 
     @property
     def reports(self) -> bool:
         """Whether this rank prints and writes results (rank 0)."""
         return self.rank == 0
+
+    def facts(self) -> dict[str, int | str | None]:
+        """What a results JSON records of the run."""
+        return {"world_size": self.world, "tp_backend": self.backend}
+
+    def finish(self) -> None:
+        """Wait for every rank, then leave the group (every rank, at the end of a command); nothing when solo."""
+        if not self.solo and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+SINGLE = TPRun(rank=0, world=1, backend=None)
 
 
 def needs_relaunch(world: int) -> bool:
@@ -79,10 +99,3 @@ def init_tp(world: int, device: str) -> TPRun:
     register_group(GROUP)
     dist.all_reduce(torch.zeros(1, device=torch.device(device)))
     return TPRun(dist.get_rank(), dist.get_world_size(), backend)
-
-
-def finish_tp() -> None:
-    """Wait for every rank, then leave the group (call at the end of a ``--tp`` command on every rank)."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -121,7 +121,7 @@ def serve_bench(
     if compiler not in ("inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
-    reports = run is None or run.reports
+    reports = run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     net = shard_for_tp(load_model(model, device, dtype), run)
@@ -136,8 +136,7 @@ def serve_bench(
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference)
-    env = {**_environment(model, device, dtype, backend, plan), "world_size": tp,
-           "tp_backend": run.backend if run else None}
+    env = {**_environment(model, device, dtype, backend, plan), **run.facts()}
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
         if reports:
@@ -152,12 +151,9 @@ def serve_bench(
                       f"{f', tp {tp}' if tp > 1 else ''}), modes {', '.join(mode_list)}, concurrency {conc}, "
                       f"requests {[plan.num_requests(c) for c in conc]}")
     with capture_progress() if reports else contextlib.nullcontext(lambda mode: None) as progress:
-        results = run_sweep(net, plan, log=log, progress=progress, on_mode=save, keep_going=run is None)
+        results = run_sweep(net, plan, log=log, progress=progress, on_mode=save, keep_going=run.solo)
     save(results)
-    if run is not None:
-        from piecegraph.parallel.launch import finish_tp
-
-        finish_tp()
+    run.finish()
     if reports:
         _report(results, f"{model} {env['dtype']} on {env['device']}{f' x{tp} (tp)' if tp > 1 else ''}, torch "
                 f"{env['torch']}, {backend} attention", json_path, plot_path)

@@ -17,7 +17,7 @@ from bf16_ties import first_divergences
 import piecegraph
 from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache, generate
 from piecegraph.parallel import ALL_REDUCE_INPLACE, apply_tp
-from piecegraph.parallel.launch import GROUP, finish_tp, init_tp
+from piecegraph.parallel.launch import GROUP, init_tp
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [42, 43], [900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 911, 912]]
 NEW = 32
@@ -65,7 +65,7 @@ def main() -> None:
         del prefill, decode, model
     with open(os.path.join(sys.argv[1], f"rank{run.rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    finish_tp()
+    run.finish()
 
 
 if __name__ == "__main__":
