@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
@@ -43,7 +44,7 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
-    @property
+    @functools.cached_property  # read several times per step (dispatch, plan, graph view): O(rows) each
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token (a pure decode step: the only kind ``mode="full"`` captures)."""
         return all(n == 1 for n in self.num_new)
