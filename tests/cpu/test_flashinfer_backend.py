@@ -182,6 +182,16 @@ def test_a_full_graph_step_never_plans_the_eager_wrapper_nor_builds_a_page_table
     assert meta.plan.kv_indptr is None and fi_cache.backend._decode.holds is None
 
 
+def test_a_first_attention_call_under_capture_is_refused_naming_the_fix(monkeypatch):
+    # The lazy plan runs on the host at a step's first call; inside a capture it could not, so it says so.
+    _, fi_cache = _caches()
+    meta = AttentionMetadata.for_batch(fi_cache, [(0, 0, 3)])
+    monkeypatch.setattr(fi_cache.backend, "_capturing", lambda: True)
+    q, k, v = (torch.randn(3, h * CFG.head_dim) for h in (6, 2, 2))
+    with forward_context(meta), pytest.raises(RuntimeError, match="run the step once before capturing it"):
+        torch.ops.piecegraph_models.attention(q, k, v, torch.empty_like(q), 0)
+
+
 def test_forward_refuses_a_dtype_the_cache_was_not_planned_for():
     _, fi_cache = _caches()
     meta = AttentionMetadata.for_batch(fi_cache, [(0, 0, 3)])

@@ -173,3 +173,12 @@ def test_tp_refuses_a_torchrun_world_of_another_size(monkeypatch):
         needs_relaunch(2)
     monkeypatch.delenv("WORLD_SIZE")
     assert needs_relaunch(2) and not needs_relaunch(1)
+
+
+def test_bench_tp_refuses_modes_it_does_not_run_before_starting_ranks():
+    from typer.testing import CliRunner
+
+    from piecegraph.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--tp", "2", "--device", "cpu", "--modes", "eager,torch.compile"])
+    assert result.exit_code == 2 and "--tp 2 runs the modes" in result.output and "torch.compile" in result.output
