@@ -32,7 +32,8 @@ def demo(
 ) -> None:
     """Generate greedily with eager and graphed models on a paged KV cache; check the tokens agree, show speed."""
     import piecegraph
-    from piecegraph.models import KVCache, generate
+    from piecegraph.attention import KVCache
+    from piecegraph.models import generate
 
     device = resolve_device(device)
     backend = resolve_attention(attention, device)

@@ -33,8 +33,7 @@ def check_writable(path: Path | None, flag: str) -> None:
 
 def resolve_attention(attention: str, device: str) -> str:
     """The attention backend ``--attention`` names on ``device`` (``auto``: FlashInfer on CUDA when it imports)."""
-    from piecegraph.models import ATTENTION_BACKENDS
-    from piecegraph.models.backends import flashinfer_available
+    from piecegraph.attention import ATTENTION_BACKENDS, flashinfer_available
 
     if attention not in ATTENTION_BACKENDS:
         raise typer.BadParameter(f"{attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}",

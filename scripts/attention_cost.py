@@ -15,8 +15,9 @@ import time
 
 import torch
 
+from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.context import forward_context
-from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, KVCache
+from piecegraph.models import QWEN2_5_0_5B
 
 
 def _us(fn, calls: int = 200, warmup: int = 10) -> float:

@@ -46,7 +46,8 @@ def target():
 
 def reference():
     """The reference decoder (0.5B shape, 4 layers, bf16) on a paged cache with FlashInfer attention, a mixed step."""
-    from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache
+    from piecegraph.attention import AttentionMetadata, KVCache
+    from piecegraph.models import QWEN2_5_0_5B, Decoder
 
     config = QWEN2_5_0_5B.replace(num_layers=4, attention_backend="flashinfer")
     model = Decoder.random(config, seed=0, dtype=torch.bfloat16, device="cuda")

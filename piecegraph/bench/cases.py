@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from piecegraph.models import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, AttentionMetadata, Decoder, KVCache, dummy_inputs
+from piecegraph.attention import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, AttentionMetadata, KVCache
+from piecegraph.attention.kv_cache import pages_for
+from piecegraph.models import Decoder, dummy_inputs
 from piecegraph.models.generate import device_dtype
-from piecegraph.models.kv_cache import pages_for
 
 # Relative lengths of the packed prompts of a prefill batch: mixed on purpose (varlen attention, uneven work).
 _PREFILL_WEIGHTS = (7, 2, 5, 1, 3, 8, 2, 4)

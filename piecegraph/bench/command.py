@@ -157,7 +157,7 @@ def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: 
 def _check_backend(net: torch.nn.Module, backend: str) -> None:
     """Build a two-page cache with ``backend`` now, so a backend that cannot start here (a broken install, a
     dtype it does not attend in) is an error naming ``--attention`` before the sweep, not a traceback inside it."""
-    from piecegraph.models import KVCache
+    from piecegraph.attention import KVCache
 
     param = next(net.parameters())
     try:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-import piecegraph.models.attention  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
+import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
 from piecegraph.hf.arch import UnsupportedModelError, model_type
 
 NAME = "piecegraph"

@@ -12,14 +12,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from piecegraph.attention.kv_cache import KVCache
 from piecegraph.config import Config, default_capture_sizes
-from piecegraph.context import forward_context
 from piecegraph.graphed_module import GraphedModule
 from piecegraph.graphs.capture import GraphPool
 from piecegraph.hf.model import HFDecoder
-from piecegraph.models.generate import device_dtype
-from piecegraph.models.kv_cache import KVCache
-from piecegraph.models.metadata import AttentionMetadata
+from piecegraph.models.generate import device_dtype, greedy_loop, stop_ids
 
 MODES = ("graphs", "none", "eager")
 
@@ -86,50 +84,15 @@ class Session:
                  eos_token_id: int | Iterable[int] | None = None) -> list[list[int]]:
         """Greedy new tokens per prompt: ``max_new_tokens`` each, or fewer when one is an EOS id (which is
         kept, as Hugging Face keeps it). One packed prefill of every prompt, then decode steps over the
-        sequences still running; each finished sequence's pages are freed at once."""
+        sequences still running; each finished sequence's pages are freed at once
+        (:func:`piecegraph.models.generate.greedy_loop`, the loop the reference decoder uses too)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
         if max_new_tokens <= 0:
             return [[] for _ in prompts]
-        stop = eos_ids(self.model, eos_token_id)
-        ids = [("hf.generate", i) for i in range(len(prompts))]
-        device = self.cache.device
-        out: list[list[int]] = [[] for _ in prompts]
-        try:
-            meta = AttentionMetadata.for_batch(self.cache, [(s, 0, len(p)) for s, p in zip(ids, prompts)])
-            input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
-            with forward_context(meta):
-                hidden = self.prefill(input_ids, meta.positions)
-            ends = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
-            tokens = self.model.logits(hidden[ends]).argmax(-1)
-            active = list(range(len(prompts)))
-            while True:
-                active = self._record(tokens.tolist(), active, out, stop, max_new_tokens, ids)
-                if not active:
-                    break
-                meta = AttentionMetadata.for_decode(
-                    self.cache, [(ids[i], len(prompts[i]) + len(out[i]) - 1) for i in active])
-                step_ids = torch.tensor([out[i][-1] for i in active], dtype=torch.int64, device=device)
-                with forward_context(meta):
-                    hidden = self.decode(step_ids, meta.positions)
-                tokens = self.model.logits(hidden[: len(active)]).argmax(-1)
-        finally:
-            for s in ids:
-                if s in self.cache.sequences():
-                    self.cache.free(s)
-        return out
-
-    def _record(self, tokens: list[int], active: list[int], out: list[list[int]], stop: set[int],
-                limit: int, ids: list) -> list[int]:
-        """Append each active sequence's token; return those still running (freeing the others' pages)."""
-        running = []
-        for i, token in zip(active, tokens):
-            out[i].append(token)
-            if token in stop or len(out[i]) >= limit:
-                self.cache.free(ids[i])
-            else:
-                running.append(i)
-        return running
+        stop = stop_ids(eos_ids(self.model, eos_token_id))
+        return greedy_loop(self.model, self.cache, prompts, max_new_tokens, prefill_fn=self.prefill,
+                           decode_fn=self.decode, stop=stop, tag="hf.generate")
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

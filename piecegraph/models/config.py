@@ -6,9 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from piecegraph.attention.types import ATTENTION_BACKENDS
+
 _SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _MAX_DEFAULT_CACHE_LEN = 4096
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class ModelConfig:
     Constraints (checked in ``__post_init__``; each error names the field): every size is a positive int,
     ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention), ``head_dim`` is even (RoPE
     rotates pairs of halves), ``rms_eps`` and ``rope_theta`` are positive. ``max_seq_len`` is only the default
-    longest sequence of a :class:`~piecegraph.models.kv_cache.KVCache`. ``attention_backend`` picks the attention
+    longest sequence of a :class:`~piecegraph.attention.kv_cache.KVCache`. ``attention_backend`` picks the attention
     kernels: ``"torch"`` (vectorized SDPA, any device), ``"flashinfer"`` (CUDA), ``"auto"`` (FlashInfer when it
     imports and the cache is on CUDA, else torch).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import piecegraph.models.attention  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
+import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
 from piecegraph.models.config import ModelConfig
 
 

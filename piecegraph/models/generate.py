@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from piecegraph.attention.kv_cache import KVCache
+from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
-from piecegraph.models.kv_cache import KVCache
-from piecegraph.models.metadata import AttentionMetadata
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -24,29 +24,58 @@ def device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
 @torch.inference_mode()
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              cache: KVCache | None = None, prefill_fn: StepFn | None = None,
-             decode_fn: StepFn | None = None) -> list[list[int]]:
-    """Greedy-decode ``max_new_tokens`` tokens after each prompt; returns the new tokens per prompt.
+             decode_fn: StepFn | None = None, eos_token_id: int | Iterable[int] | None = None) -> list[list[int]]:
+    """Greedy-decode up to ``max_new_tokens`` tokens after each prompt; returns the new tokens per prompt.
 
     The prompts live in ``cache`` (default: a fresh paged cache just large enough) as sequences
-    ``("generate", i)``, freed again at the end. ``prefill_fn`` and ``decode_fn`` (default ``model``) take
+    ``("generate", i)``, freed as they finish. ``prefill_fn`` and ``decode_fn`` (default ``model``) take
     ``(input_ids [T], positions [T])`` and return hidden states with at least ``T`` rows: pass a graphed or
-    compiled module to exercise it. The prefill packs all prompts into one step; each decode step builds its
-    metadata once on the host (pages, and the backend's plan) and is a pure decode step, so ``decode_fn`` may
-    replay full CUDA graphs. Stops at ``max_new_tokens``; there is no EOS handling.
+    compiled module to exercise it. ``eos_token_id`` (an id or several) stops a sequence after it emits one (kept
+    in its output, as Hugging Face keeps it). See :func:`greedy_loop`, the loop every piecegraph greedy caller
+    shares.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     device, dtype = device_dtype(model)
-    longest = max(len(p) for p in prompts) + max_new_tokens
     if cache is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
         cache = KVCache.for_sequences(model.config, len(prompts), longest, dtype=dtype, device=device)
-    ids = [("generate", i) for i in range(len(prompts))]
+    return greedy_loop(model, cache, prompts, max_new_tokens, prefill_fn=prefill_fn or model,
+                       decode_fn=decode_fn or model, stop=stop_ids(eos_token_id))
+
+
+def stop_ids(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
+    """``eos_token_id`` (``None``, one id or several) as a set of ints."""
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset((eos_token_id,))
+    return frozenset(int(t) for t in eos_token_id)
+
+
+def greedy_loop(model: Any, cache: KVCache, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                prefill_fn: StepFn, decode_fn: StepFn, stop: frozenset[int] = frozenset(),
+                tag: str = "generate") -> list[list[int]]:
+    """The one greedy loop: a packed prefill of every prompt, then pure decode steps over the sequences still
+    running, until each has ``max_new_tokens`` tokens or emitted an id in ``stop`` (kept in its output).
+
+    ``model.logits(hidden_rows)`` turns hidden states into logits (the reference decoder and
+    ``piecegraph.hf.HFDecoder`` both have it). Prompts are non-empty and ``max_new_tokens >= 1`` (the public
+    callers check). Sequences are ``(tag, i)`` in ``cache``: ids the cache already holds are refused; each
+    sequence's pages are freed as soon as it finishes, and every page on the way out, errors included. Each
+    decode step builds its metadata once on the host (pages, the backend's plan), so ``decode_fn`` may replay
+    full CUDA graphs. Without stop ids no step reads tokens back to the host until the end (one sync); with them,
+    each step reads its tokens to learn which sequences finished.
+    """
+    ids = [(tag, i) for i in range(len(prompts))]
     taken = set(ids) & set(cache.sequences())
     if taken:
         raise ValueError(f"the KV cache already holds sequences {sorted(taken)}; generate() uses those ids")
-    prefill_fn, decode_fn = prefill_fn or model, decode_fn or model
+    device = cache.device
+    out: list[list[int]] = [[] for _ in prompts]
+    steps: list[torch.Tensor] = []  # without stop ids: every step's tokens, read once at the end
     try:
         meta = AttentionMetadata.for_batch(cache, [(s, 0, len(p)) for s, p in zip(ids, prompts)])
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
@@ -54,18 +83,39 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: i
             hidden = prefill_fn(input_ids, meta.positions)
         ends = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
         tokens = model.logits(hidden[ends]).argmax(-1)
-        steps = [tokens]
-        for step in range(max_new_tokens - 1):
-            meta = AttentionMetadata.for_decode(cache, [(s, len(p) + step) for s, p in zip(ids, prompts)])
+        active = list(range(len(prompts)))
+        for made in range(1, max_new_tokens + 1):
+            if stop:
+                active = _record(tokens.tolist(), active, out, stop, made, max_new_tokens, cache, ids)
+                tokens = torch.tensor([out[i][-1] for i in active], dtype=torch.int64, device=device)
+            else:
+                steps.append(tokens)
+                if made == max_new_tokens:
+                    active = []
+            if not active:
+                break
+            meta = AttentionMetadata.for_decode(cache, [(ids[i], len(prompts[i]) + made - 1) for i in active])
             with forward_context(meta):
                 hidden = decode_fn(tokens, meta.positions)
-            tokens = model.logits(hidden[: len(prompts)]).argmax(-1)
-            steps.append(tokens)
+            tokens = model.logits(hidden[: len(active)]).argmax(-1)
     finally:
         for s in ids:
             if s in cache.sequences():
                 cache.free(s)
-    return torch.stack(steps, dim=1).tolist()  # one host sync at the end, not one per step
+    return torch.stack(steps, dim=1).tolist() if steps else out
+
+
+def _record(tokens: list[int], active: list[int], out: list[list[int]], stop: frozenset[int], made: int,
+            limit: int, cache: KVCache, ids: list) -> list[int]:
+    """Append each active sequence's token; return those still running, freeing the others' pages at once."""
+    running = []
+    for i, token in zip(active, tokens):
+        out[i].append(token)
+        if token in stop or made >= limit:
+            cache.free(ids[i])
+        else:
+            running.append(i)
+    return running
 
 
 def dummy_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n: int

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
+from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
-from piecegraph.models.metadata import AttentionMetadata
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.request import Request, SamplingParams
 

@@ -65,8 +65,8 @@ def step_table(records: list[Any]) -> Table:
 
 def reference(net: torch.nn.Module, steps: int, backend: str | None = None) -> list[list[int]]:
     """Each prompt generated alone, eagerly (greedy): what the engine must reproduce."""
+    from piecegraph.attention.kv_cache import KVCache
     from piecegraph.models.generate import generate
-    from piecegraph.models.kv_cache import KVCache
 
     prompts = [[t % net.config.vocab_size for t in p] for p in PROMPTS]
     param = next(net.parameters())

@@ -16,10 +16,10 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from piecegraph.attention.kv_cache import KVCache
+from piecegraph.attention.metadata import AttentionMetadata
+from piecegraph.attention.pages import pages_for
 from piecegraph.graphs.capture import timed_capture
-from piecegraph.models.kv_cache import KVCache
-from piecegraph.models.metadata import AttentionMetadata
-from piecegraph.models.pages import pages_for
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
 from piecegraph.serve.request import Request, SamplingParams

@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 
 import piecegraph
+from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.graphs.capture import timed_capture
 from piecegraph.models.generate import dummy_inputs
-from piecegraph.models.metadata import AttentionMetadata
 from piecegraph.serve.config import EngineConfig
 
 GRAPH_KINDS = ("full", "piecewise", "breakable")

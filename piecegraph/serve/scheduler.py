@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from piecegraph.models.kv_cache import KVCache
-from piecegraph.models.pages import pages_for
+from piecegraph.attention.kv_cache import KVCache
+from piecegraph.attention.pages import pages_for
 from piecegraph.serve.request import Request, Status
 
 

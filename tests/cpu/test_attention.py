@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import piecegraph
+from piecegraph.attention import AttentionMetadata, KVCache, OutOfPagesError
 from piecegraph.context import forward_context
-from piecegraph.models import TINY, AttentionMetadata, KVCache, OutOfPagesError
+from piecegraph.models import TINY
 
 CFG = TINY.replace(num_heads=6, num_kv_heads=2, head_dim=8, attention_backend="torch")
 H, HKV, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim

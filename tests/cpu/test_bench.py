@@ -9,6 +9,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from piecegraph.attention import SCRATCH_PAGE, AttentionMetadata, KVCache
+from piecegraph.attention.backends.torch_sdpa import TorchBackend
+from piecegraph.attention.kv_cache import pages_for
 from piecegraph.bench import modes as bench_modes
 from piecegraph.bench import sweep
 from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases, prefill_lengths
@@ -17,9 +20,7 @@ from piecegraph.bench.profile import attention_op_us
 from piecegraph.bench.report import compact, result_name
 from piecegraph.cli import app
 from piecegraph.context import forward_context
-from piecegraph.models import SCRATCH_PAGE, TINY, AttentionMetadata, Decoder, KVCache
-from piecegraph.models.backends.torch_sdpa import TorchBackend
-from piecegraph.models.kv_cache import pages_for
+from piecegraph.models import TINY, Decoder
 
 runner = CliRunner()
 ENV_KEYS = {"gpu", "torch", "model", "dtype", "date", "bandwidth_gbs", "context", "repeats", "attention",

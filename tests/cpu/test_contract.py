@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import piecegraph
 from piecegraph import Config
-from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs
+from piecegraph.attention import KVCache
+from piecegraph.models import TINY, Decoder, dummy_inputs
 
 
 def _mlp() -> torch.nn.Module:

@@ -148,7 +148,8 @@ def test_cli_fix_shows_before_and_after(tmp_path, restore_jitlib):
 
 
 def test_reference_model_is_ok_within_a_minute():
-    from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs
+    from piecegraph.attention import KVCache
+    from piecegraph.models import TINY, Decoder, dummy_inputs
 
     start = time.perf_counter()
     model = Decoder.random(TINY, seed=0).eval()
@@ -163,7 +164,8 @@ def test_reference_model_is_ok_within_a_minute():
 def test_module_target_with_context_dict(tmp_path, monkeypatch):
     (tmp_path / "my_target.py").write_text(
         "import torch\n"
-        "from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs\n"
+        "from piecegraph.attention import KVCache\n"
+        "from piecegraph.models import TINY, Decoder, dummy_inputs\n"
         "def build():\n"
         "    m = Decoder.random(TINY, seed=0).eval()\n"
         "    cache = KVCache.for_sequences(m.config, 2, 16, dtype=torch.float32, device='cpu')\n"

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import piecegraph
+from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.context import forward_context
-from piecegraph.models import TINY, AttentionMetadata, Decoder, KVCache, generate
+from piecegraph.models import TINY, Decoder, generate
 
 CFG = TINY.replace(num_heads=6, num_kv_heads=2, head_dim=8)
 FAKE = Path(__file__).parent / "fakes" / "fake_flashinfer.py"
@@ -37,7 +38,7 @@ def fake_flashinfer(monkeypatch):
 
 def _caches(num_pages=120, page_size=4, seed=0, config=CFG, max_seq_len=64):
     """A torch-backend cache and a FlashInfer-backend one with equal contents and equally shuffled pages."""
-    from piecegraph.models.backends.flashinfer import FlashInferBackend
+    from piecegraph.attention.backends.flashinfer import FlashInferBackend
 
     caches = []
     for _ in range(2):

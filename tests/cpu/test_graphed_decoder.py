@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import piecegraph
-from piecegraph.models import TINY, AttentionMetadata, Decoder, KVCache, dummy_inputs, generate
+from piecegraph.attention import AttentionMetadata, KVCache
+from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 1], [200, 13, 54, 2, 8, 31, 77]]
 

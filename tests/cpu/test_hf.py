@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import piecegraph  # noqa: E402
 import piecegraph.hf as pghf  # noqa: E402
-from piecegraph.models import AttentionMetadata, KVCache  # noqa: E402
+from piecegraph.attention import AttentionMetadata, KVCache  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256)

@@ -8,7 +8,8 @@ transformers = pytest.importorskip("transformers")
 
 import piecegraph  # noqa: E402
 import piecegraph.hf as pghf  # noqa: E402
-from piecegraph.models import TINY, AttentionMetadata, Decoder, KVCache, ModelConfig, load_hf, save_hf  # noqa: E402
+from piecegraph.attention import AttentionMetadata, KVCache  # noqa: E402
+from piecegraph.models import TINY, Decoder, ModelConfig, load_hf, save_hf  # noqa: E402
 
 PROMPT = [5, 17, 3, 99, 42, 7, 8, 9, 10, 11, 1, 2, 3]
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -9,12 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.context import forward_context
 from piecegraph.models import (
     TINY,
-    AttentionMetadata,
     Decoder,
-    KVCache,
     ModelConfig,
     dummy_inputs,
     generate,

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import piecegraph
-from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs
+from piecegraph.attention import KVCache
+from piecegraph.models import TINY, Decoder, dummy_inputs
 from piecegraph.trace.mixing import find_token_mixing
 
 SIZES = (4, 8, 16)

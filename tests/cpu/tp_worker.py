@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import piecegraph
-from piecegraph.models import TINY, AttentionMetadata, Decoder, KVCache, generate
+from piecegraph.attention import AttentionMetadata, KVCache
+from piecegraph.models import TINY, Decoder, generate
 from piecegraph.parallel import ALL_REDUCE_INPLACE, apply_tp, register_group
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 1], [200, 13, 54, 2, 8, 31, 77]]  # 15 tokens: pads to 16

@@ -10,8 +10,9 @@ import torch
 from bf16_ties import first_divergences
 
 import piecegraph
-from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache, ModelConfig, generate
-from piecegraph.models.backends import flashinfer_available
+from piecegraph.attention import AttentionMetadata, KVCache
+from piecegraph.attention.backends import flashinfer_available
+from piecegraph.models import QWEN2_5_0_5B, Decoder, ModelConfig, generate
 
 _WHY = flashinfer_available(torch.device("cuda")) if torch.cuda.is_available() else "needs CUDA"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]

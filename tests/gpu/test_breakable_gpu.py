@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import piecegraph
+from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.graphs.breakable import BreakableCaptureError
-from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache
+from piecegraph.models import QWEN2_5_0_5B, Decoder
 
 pytestmark = pytest.mark.gpu
 

@@ -89,7 +89,8 @@ def test_clean_model_captures_and_is_ok():
 
 
 def test_reference_decoder_captures_every_piece():
-    from piecegraph.models import TINY, Decoder, KVCache, dummy_inputs
+    from piecegraph.attention import KVCache
+    from piecegraph.models import TINY, Decoder, dummy_inputs
 
     model = Decoder.random(TINY, seed=0, device="cuda").eval()
     cache = KVCache.for_sequences(model.config, 2, 32, dtype=torch.float32, device="cuda")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import piecegraph
-from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache, dummy_inputs, generate
+from piecegraph.attention import AttentionMetadata, KVCache
+from piecegraph.models import QWEN2_5_0_5B, Decoder, dummy_inputs, generate
 
 pytestmark = pytest.mark.gpu
 def _rel(a, b):

@@ -11,7 +11,7 @@ from bf16_ties import first_divergences
 transformers = pytest.importorskip("transformers")
 
 import piecegraph.hf as pghf  # noqa: E402
-from piecegraph.models.backends import flashinfer_available  # noqa: E402
+from piecegraph.attention.backends import flashinfer_available  # noqa: E402
 
 _WHY = flashinfer_available(torch.device("cuda")) if torch.cuda.is_available() else "needs CUDA"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from piecegraph.models import TINY, Decoder, KVCache, generate
+from piecegraph.attention import KVCache
+from piecegraph.models import TINY, Decoder, generate
 from piecegraph.serve import ENGINE_MODES, Engine, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,8 @@ import torch
 from bf16_ties import first_divergences
 
 import piecegraph
-from piecegraph.models import QWEN2_5_0_5B, AttentionMetadata, Decoder, KVCache, generate
+from piecegraph.attention import AttentionMetadata, KVCache
+from piecegraph.models import QWEN2_5_0_5B, Decoder, generate
 from piecegraph.parallel import ALL_REDUCE_INPLACE, apply_tp
 from piecegraph.parallel.launch import GROUP, init_tp
 

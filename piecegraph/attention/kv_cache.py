@@ -11,9 +11,9 @@ from typing import Hashable, Iterable
 
 import torch
 
-from piecegraph.models.backends import resolve_backend
-from piecegraph.models.config import ModelConfig
-from piecegraph.models.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
+from piecegraph.attention.backends import resolve_backend
+from piecegraph.attention.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
+from piecegraph.attention.types import CacheShape
 
 __all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "pages_for"]
 
@@ -37,7 +37,7 @@ class KVCache:
         cache.free("a")
     """
 
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
+    def __init__(self, config: CacheShape, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  max_seq_len: int | None = None, backend: str | None = None) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
@@ -60,7 +60,7 @@ class KVCache:
         self.backend = resolve_backend(backend or config.attention_backend, self.device, dtype, config)
 
     @classmethod
-    def for_sequences(cls, config: ModelConfig, num_seqs: int, max_len: int, page_size: int = DEFAULT_PAGE_SIZE,
+    def for_sequences(cls, config: CacheShape, num_seqs: int, max_len: int, page_size: int = DEFAULT_PAGE_SIZE,
                       **kwargs) -> "KVCache":
         """A cache with room for ``num_seqs`` sequences of ``max_len`` tokens each (plus the scratch page)."""
         if num_seqs < 1 or max_len < 1:

@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from piecegraph.models.config import ATTENTION_BACKENDS
+from piecegraph.attention.types import ATTENTION_BACKENDS, CacheShape
 
 if TYPE_CHECKING:
-    from piecegraph.models.config import ModelConfig
-    from piecegraph.models.metadata import AttentionMetadata
-
+    from piecegraph.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -57,7 +55,7 @@ def flashinfer_available(device: torch.device, dtype: torch.dtype = torch.bfloat
     return None
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, config: "ModelConfig") -> Any:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, config: CacheShape) -> Any:
     """The backend instance for ``name`` (``auto``: FlashInfer when it imports on CUDA for a float16/bfloat16
     cache, else torch). An explicit ``"flashinfer"`` that cannot run raises, saying why."""
     if name not in ATTENTION_BACKENDS:
@@ -66,9 +64,9 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, config:
     if name == "flashinfer" and reason:
         raise ValueError(f"attention_backend='flashinfer': {reason}; use attention_backend='torch'")
     if name == "flashinfer" or (name == "auto" and reason is None):
-        from piecegraph.models.backends.flashinfer import FlashInferBackend
+        from piecegraph.attention.backends.flashinfer import FlashInferBackend
 
         return FlashInferBackend(config, device)
-    from piecegraph.models.backends.torch_sdpa import TorchBackend
+    from piecegraph.attention.backends.torch_sdpa import TorchBackend
 
     return TorchBackend(config)

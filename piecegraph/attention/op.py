@@ -1,6 +1,6 @@
 """The attention split op of the reference decoder: KV-cache write and attention in one op.
 
-``piecegraph_models::attention`` reads the step's :class:`~piecegraph.models.metadata.AttentionMetadata` from the
+``piecegraph_models::attention`` reads the step's :class:`~piecegraph.attention.metadata.AttentionMetadata` from the
 forward context and hands the work to the cache's backend (``torch`` or ``flashinfer``). It is a split op:
 piecegraph cuts the graph there and runs it eagerly between captured pieces, or captures it too in
 ``mode="full"`` (pure decode steps, whose metadata is all token-aligned tensors or a backend's static buffers).

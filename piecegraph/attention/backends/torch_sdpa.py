@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from piecegraph.models.config import ModelConfig
-from piecegraph.models.metadata import AttentionMetadata, BatchLayout, to_device
-from piecegraph.models.pages import SCRATCH_PAGE
+from piecegraph.attention.metadata import AttentionMetadata, BatchLayout, to_device
+from piecegraph.attention.pages import SCRATCH_PAGE
+from piecegraph.attention.types import CacheShape
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class TorchBackend:
     name = "torch"
     reads_page_table = True  # decode steps gather pages through AttentionMetadata.page_table
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: CacheShape) -> None:
         self.group = config.num_heads // config.num_kv_heads
         self.scale = config.head_dim ** -0.5
 
@@ -98,7 +98,7 @@ class TorchBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
                 meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
                 softcap: float | None = None) -> None:
-        """See :class:`~piecegraph.models.backends.AttentionBackend`. ``scale`` overrides ``head_dim ** -0.5``;
+        """See :class:`~piecegraph.attention.backends.AttentionBackend`. ``scale`` overrides ``head_dim ** -0.5``;
         ``window`` hides keys at positions <= the query's minus ``window``; ``softcap`` caps scores with tanh."""
         cache = meta.cache
         extra = {"scale": scale or self.scale, "softcap": softcap}

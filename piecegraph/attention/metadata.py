@@ -12,14 +12,12 @@ import array
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
-from piecegraph.models.pages import SCRATCH_PAGE
-
-if TYPE_CHECKING:  # the cache holds the backend, which reads this metadata: no runtime import either way
-    from piecegraph.models.kv_cache import KVCache
+from piecegraph.attention.pages import SCRATCH_PAGE
+from piecegraph.attention.types import PagedCache
 
 # Fields a full CUDA graph never reads: per-step host data, used (if at all) before a replay by
 # ``for_cuda_graph``. StaticContext skips them when it checks that a replay's metadata matches its capture.
@@ -72,7 +70,7 @@ class AttentionMetadata:
     the batch, and pad rows come out zero.
     """
 
-    cache: KVCache
+    cache: PagedCache
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     page_table: torch.Tensor | None = None
@@ -95,7 +93,7 @@ class AttentionMetadata:
 
     # -- builders ---------------------------------------------------------------------------------------
     @classmethod
-    def for_batch(cls, cache: KVCache, seqs: Sequence[tuple[Hashable, int, int]]) -> "AttentionMetadata":
+    def for_batch(cls, cache: PagedCache, seqs: Sequence[tuple[Hashable, int, int]]) -> "AttentionMetadata":
         """Metadata of one step over ``seqs`` = ``[(seq, num_cached, num_new), ...]``, tokens packed in order.
 
         Reserves the pages each sequence needs for ``num_cached + num_new`` tokens (all or nothing: see
@@ -124,12 +122,12 @@ class AttentionMetadata:
         return cls.from_layout(cache, layout)
 
     @classmethod
-    def for_decode(cls, cache: KVCache, seqs: Sequence[tuple[Hashable, int]]) -> "AttentionMetadata":
+    def for_decode(cls, cache: PagedCache, seqs: Sequence[tuple[Hashable, int]]) -> "AttentionMetadata":
         """A pure decode step: ``seqs`` = ``[(seq, num_cached), ...]``, one new token each."""
         return cls.for_batch(cache, [(seq, cached, 1) for seq, cached in seqs])
 
     @classmethod
-    def dummy(cls, cache: KVCache, n: int) -> "AttentionMetadata":
+    def dummy(cls, cache: PagedCache, n: int) -> "AttentionMetadata":
         """A decode step of ``n`` pad tokens on the scratch page (position 0): for warm-up and graph capture."""
         if n < 1:
             raise ValueError(f"AttentionMetadata.dummy needs n >= 1, got {n}")
@@ -138,7 +136,7 @@ class AttentionMetadata:
         return cls.from_layout(cache, layout)
 
     @classmethod
-    def from_layout(cls, cache: KVCache, layout: BatchLayout) -> "AttentionMetadata":
+    def from_layout(cls, cache: PagedCache, layout: BatchLayout) -> "AttentionMetadata":
         """Lay out tokens on the device and let the backend plan (what :meth:`for_batch` does after reserving)."""
         host = {"positions": layout.token_positions(), "slot_mapping": layout.token_slots()}
         # The dense page table is n * max_pages_per_seq ints built on the host every step: only for a backend
@@ -176,7 +174,7 @@ class AttentionMetadata:
         return dataclasses.replace(self, **changes)
 
 
-def dummy(cache: KVCache, n: int) -> AttentionMetadata:
+def dummy(cache: PagedCache, n: int) -> AttentionMetadata:
     """Shorthand for :meth:`AttentionMetadata.dummy`."""
     return AttentionMetadata.dummy(cache, n)
 

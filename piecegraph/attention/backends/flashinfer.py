@@ -51,17 +51,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from piecegraph.models.config import ModelConfig
-from piecegraph.models.metadata import AttentionMetadata, BatchLayout, host_tensor, to_device
-from piecegraph.models.pages import SCRATCH_PAGE, pages_for
-
-if TYPE_CHECKING:
-    from piecegraph.models.kv_cache import KVCache
+from piecegraph.attention.metadata import AttentionMetadata, BatchLayout, host_tensor, to_device
+from piecegraph.attention.pages import SCRATCH_PAGE, pages_for
+from piecegraph.attention.types import CacheShape, PagedCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
 
@@ -108,7 +105,7 @@ class FlashInferBackend:
 
     name = "flashinfer"
 
-    def __init__(self, config: ModelConfig, device: torch.device | str) -> None:
+    def __init__(self, config: CacheShape, device: torch.device | str) -> None:
         import flashinfer
 
         self._fi = flashinfer
@@ -152,10 +149,10 @@ class FlashInferBackend:
         self._plan_on(plan.slot, plan.args, plan.kwargs)
         plan.slot.holds = plan
 
-    def _shape(self, cache: KVCache) -> tuple[int, int, int, int]:
+    def _shape(self, cache: PagedCache) -> tuple[int, int, int, int]:
         return self.num_heads, cache.num_kv_heads, cache.head_dim, cache.page_size
 
-    def _options(self, cache: KVCache) -> dict[str, Any]:
+    def _options(self, cache: PagedCache) -> dict[str, Any]:
         return {"q_data_type": cache.dtype, "kv_data_type": cache.dtype, "sm_scale": self.scale}
 
     def _plan_on(self, slot: _Slot, args: tuple, kwargs: dict) -> None:
@@ -211,7 +208,7 @@ class FlashInferBackend:
         graph.last = (weakref.ref(meta), view)
         return view
 
-    def _new_graph(self, cache: KVCache, size: int) -> _Graph:
+    def _new_graph(self, cache: PagedCache, size: int) -> _Graph:
         # Buffers whose addresses the graphs bake in: plan() refills them before every replay of this size.
         zeros = {"dtype": torch.int32, "device": cache.device}
         indptr, last = torch.zeros(size + 1, **zeros), torch.zeros(size, **zeros)

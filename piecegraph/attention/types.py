@@ -1,0 +1,52 @@
+"""What the attention stage reads of a model and of a cache, as protocols (the bottom of the stage).
+
+The reference decoder's ``ModelConfig`` and ``piecegraph.hf``'s cache shape are both a :class:`CacheShape`; the
+per-step metadata and the backends read the cache through :class:`PagedCache`, so neither imports
+:class:`~piecegraph.attention.kv_cache.KVCache`, which sits above them (it owns its backend).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterable, Protocol
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+class CacheShape(Protocol):
+    """The model dimensions a KV cache and an attention backend are built for."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int  # the default longest sequence of a cache
+    attention_backend: str  # one of ATTENTION_BACKENDS
+
+
+class PagedCache(Protocol):
+    """What the metadata builder and the backends read of a paged KV cache."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    page_size: int
+    max_seq_len: int
+    num_kv_heads: int
+    head_dim: int
+    backend: Any
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def max_pages_per_seq(self) -> int: ...
+
+    def capacity(self, seq: Hashable) -> int: ...
+
+    def page_table(self, seq: Hashable) -> list[int]: ...
+
+    def reserve(self, lengths: Iterable[tuple[Hashable, int]]) -> None: ...

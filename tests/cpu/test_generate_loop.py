@@ -1,0 +1,73 @@
+"""The one greedy loop (models.generate.greedy_loop) behind piecegraph.models.generate and piecegraph.hf: EOS stops
+a sequence (kept, as Hugging Face keeps it), the decode batch shrinks as sequences finish, and their pages are
+freed at once. The reference is the same model decoded one prompt at a time without EOS, cut at the first EOS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from piecegraph.attention import KVCache
+from piecegraph.models import TINY, Decoder, generate
+
+PROMPTS = [[3, 7, 1, 9], [11, 2], [5, 5, 5, 8, 13, 2, 1], [42]]
+NEW = 8
+
+
+def _model() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder.random(TINY).eval()
+
+
+def _alone(model: Decoder, prompt: list[int]) -> list[int]:
+    return generate(model, [prompt], NEW)[0]
+
+
+def _cut(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def test_without_eos_each_prompt_equals_decoding_it_alone():
+    model = _model()
+    assert generate(model, PROMPTS, NEW) == [_alone(model, p) for p in PROMPTS]
+
+
+def test_eos_stops_each_sequence_and_the_batch_shrinks_with_pages_freed_at_once():
+    model = _model()
+    alone = [_alone(model, p) for p in PROMPTS]
+    # An EOS id that one prompt emits early and another never: the batch must shrink mid-run.
+    eos = {alone[0][2]}
+    expected = [_cut(t, eos) for t in alone]
+    assert len({len(t) for t in expected}) > 1, "the chosen EOS must finish sequences at different steps"
+    cache = KVCache.for_sequences(model.config, len(PROMPTS), 32)
+    rows, held = [], []
+
+    def decode(ids, positions):
+        rows.append(ids.shape[0])
+        held.append(len(cache.sequences()))
+        return model(ids, positions)
+
+    out = generate(model, PROMPTS, NEW, cache=cache, decode_fn=decode, eos_token_id=eos)
+    assert out == expected
+    running = [sum(len(t) > step for t in expected) for step in range(1, NEW)]
+    assert rows == [r for r in running if r]  # one decode row per sequence still running
+    assert held == rows  # a finished sequence's pages are gone before the next step
+    assert cache.sequences() == [] and cache.num_free_pages == cache.num_pages - 1
+
+
+def test_eos_as_several_ids_and_an_error_frees_every_page():
+    model = _model()
+    alone = [_alone(model, p) for p in PROMPTS]
+    eos = [alone[1][0], alone[2][3]]
+    assert generate(model, PROMPTS, NEW, eos_token_id=eos) == [_cut(t, set(eos)) for t in alone]
+    cache = KVCache.for_sequences(model.config, len(PROMPTS), 32)
+
+    def failing(ids, positions):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        generate(model, PROMPTS, NEW, cache=cache, decode_fn=failing, eos_token_id=eos)
+    assert cache.sequences() == []
