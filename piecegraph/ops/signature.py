@@ -1,66 +1,23 @@
-"""Schema inference and fake implementations for :func:`piecegraph.opaque` (what a callable's signature says)."""
+"""Schemas and fake implementations for :func:`piecegraph.opaque` (what a callable's signature says).
+
+How each parameter crosses the op boundary is :mod:`piecegraph.ops.arguments`; this module turns those into the
+schema string, reads the return type (its hint, else the fake's), and builds the fake implementation.
+"""
 
 from __future__ import annotations
 
-import collections.abc
 import inspect
-import types
 import typing
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from piecegraph.ops.arguments import Arg, OpaqueError, classify, classify_hint, hints_of, parameters
 
-class OpaqueError(TypeError):
-    """A callable cannot be made opaque as asked: its signature, its fake or its name. The message says the fix."""
-
-
-# ----------------------------------------------------------------------------------------------- schema inference
-_SCALARS: dict[Any, str] = {
-    torch.Tensor: "Tensor", int: "SymInt", float: "float", bool: "bool", str: "str",
-    torch.dtype: "ScalarType", torch.device: "Device",
-}
-_SEQUENCES = (list, tuple, collections.abc.Sequence)  # typing.get_origin maps List/Sequence/Tuple onto these
-_HINT = ("supported: Tensor, Optional[Tensor], int, float, bool, str, torch.dtype, torch.device, "
-         "list of those, Optional of those")
+__all__ = ["OpaqueError", "hints_of", "schema_type", "infer_schema", "op_schema", "return_type", "make_fake"]
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    """``Optional[X]`` / ``X | None`` -> (X, True); anything else -> (tp, False)."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0], True
-    return tp, False
-
-
-def _type_str(tp: Any) -> Optional[str]:
-    """Schema type of a (non-optional) annotation, or None when it has no schema type."""
-    if tp in _SCALARS:
-        return _SCALARS[tp]
-    origin = typing.get_origin(tp)
-    if origin in _SEQUENCES:
-        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-        if len(set(args)) == 1 and args[0] in _SCALARS and args[0] not in (str, torch.device):
-            return _SCALARS[args[0]] + "[]"
-    return None
-
-
-def _arg_schema(name: str, tp: Any, alias: Optional[str]) -> str:
-    inner, optional = _unwrap_optional(tp)
-    base = _type_str(inner)
-    if base is None:
-        raise OpaqueError(f"opaque: argument {name!r} has type {tp!r}, which a torch op schema cannot express "
-                          f"({_HINT}). Wrap the callable in a function that takes supported types "
-                          f"(e.g. pass a tensor instead of an object, an int instead of an enum).")
-    if alias is not None:
-        if not base.startswith("Tensor"):
-            raise OpaqueError(f"opaque: mutates names {name!r}, but it is a {base}, not a Tensor")
-        base = base.replace("Tensor", f"Tensor({alias}!)", 1)
-    return f"{base}{'?' if optional else ''} {name}"
-
-
+# ----------------------------------------------------------------------------------------------------- schemas
 def _return_schema(tp: Any) -> str:
     if tp is None or tp is type(None):
         return "()"
@@ -70,78 +27,91 @@ def _return_schema(tp: Any) -> str:
         if Ellipsis in items or not items:
             raise OpaqueError("opaque: a tuple return needs a fixed length, e.g. Tuple[Tensor, Tensor]")
         return "(" + ", ".join(_return_schema(i) for i in items) + ")"
-    base = _type_str(tp)
-    if base is None or base in ("str", "Device"):
+    try:
+        fields = classify_hint("return", tp) or {}
+    except OpaqueError:
+        fields = {}
+    base = fields.get("base")
+    if base is None or fields.get("as_tuple") or set(fields) - {"base", "as_tuple"} or base in ("str", "Device"):
         raise OpaqueError(f"opaque: return type {tp!r} is not supported; return Tensor, a fixed tuple of "
                           f"tensors, a list of tensors, int, float, bool or None")
     return base
 
 
-def hints_of(fn: Callable) -> dict[str, Any]:
-    """Resolved type hints (string annotations included); falls back to raw annotations."""
-    # A callable object's hints live on its bound __call__ (callable() would only say it has one).
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
-    try:
-        return typing.get_type_hints(target)
-    except Exception:  # unresolvable forward references: use what is there
-        return dict(getattr(target, "__annotations__", {}))
+def op_schema(args: list[Arg], mutates: Iterable[str], ret: Any) -> str:
+    """``"(Tensor x, str backend, ...) -> Tensor"``: every argument but the constants, mutated ones aliased.
+
+    Defaults are left out on purpose: the wrapper always passes every argument, so a default that has no schema
+    spelling (a dtype, a tuple) is never a problem.
+    """
+    mutates = tuple(mutates)
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    for a in args:
+        if a.const and a.name in mutates:
+            raise OpaqueError(f"opaque: mutates names {a.name!r}, which is bound as a constant, not a Tensor")
+    schema = [a.schema(next(letters) if a.name in mutates else None) for a in args if not a.const]
+    return f"({', '.join(schema)}) -> {_return_schema(ret)}"
 
 
-def _params(fn: Callable) -> list[inspect.Parameter]:
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError) as err:
-        raise OpaqueError(f"opaque: cannot read the signature of {fn!r}; wrap it in a def with type hints") from err
-    for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise OpaqueError(f"opaque: argument {p.name!r} is *{p.name} / **{p.name}; a torch op needs a fixed "
-                              f"argument list. Wrap the callable in a def that names each argument.")
-    return params
+def _is_spec(fake: Any) -> bool:
+    """A fake given as a spec (``"like:x"``, a dict, a list of those), not as a function."""
+    return fake is not None and (not callable(fake) or isinstance(fake, (str, tuple, list, dict)))
 
 
-def _param_type(p: inspect.Parameter, hints: dict[str, Any]) -> Any:
-    tp = hints.get(p.name, inspect.Parameter.empty)
-    if tp is inspect.Parameter.empty:
-        if p.default is not inspect.Parameter.empty and type(p.default) in (bool, int, float, str):
-            return type(p.default)  # eps=1e-6 without a hint is a float
-        raise OpaqueError(f"opaque: argument {p.name!r} has no type hint; annotate it ({_HINT})")
-    if p.default is None:
-        return Optional[tp]  # `out: Tensor = None` (FlashInfer style) is an Optional[Tensor]
-    return tp
+def _multi(fake: Any) -> bool:
+    """A spec of several outputs: a list, or a tuple that is not ``("like", "x")``."""
+    return isinstance(fake, list) or (isinstance(fake, tuple) and _like_name(fake) is None)
+
+
+def return_type(fn: Callable, hints: dict[str, Any], fake: Any) -> Any:
+    """``fn``'s return hint; else the fake function's; else what a fake spec describes (``"like:x"`` or a dict:
+    ``Tensor``, a list of n specs: a tuple of n tensors). :class:`OpaqueError` when nothing says it."""
+    if "return" in hints:
+        return hints["return"]
+    if _is_spec(fake):
+        return typing.Tuple[(torch.Tensor,) * len(fake)] if _multi(fake) else torch.Tensor
+    if fake is not None and "return" in hints_of(fake):
+        return hints_of(fake)["return"]
+    raise OpaqueError(f"opaque: {fn!r} has no return annotation and no fake spec says its outputs; add `-> Tensor`, "
+                      f"`-> Tuple[Tensor, Tensor]` or `-> None` (for an op that only writes into arguments named "
+                      f"in mutates), or pass fake='like:<arg>'")
 
 
 def schema_type(p: inspect.Parameter, hints: dict[str, Any]) -> Optional[Any]:
-    """The type :func:`opaque` would give parameter ``p`` (its hint, else its default's type), or None when a
-    torch op schema cannot express it."""
+    """The type :func:`opaque` would give parameter ``p`` (its hint, else its default's type), or None when it
+    has none before the first call: a constant (an object, a callable) or a parameter typed by the first call."""
     try:
-        tp = _param_type(p, hints)
-        _arg_schema(p.name, tp, None)
+        arg = classify(p, hints)
     except OpaqueError:
         return None
-    return tp
+    if arg.base is None:
+        return None
+    tp = hints.get(p.name, inspect.Parameter.empty)
+    if tp is inspect.Parameter.empty:
+        tp = type(p.default) if not arg.base.endswith("[]") else \
+            (typing.Tuple[type(p.default[0]), ...] if arg.as_tuple else typing.List[type(p.default[0])])
+    return Optional[tp] if arg.optional else tp
 
 
 def infer_schema(fn: Callable, mutates: Iterable[str] = ()) -> tuple[str, list[str], Any, list[int]]:
-    """``(schema "(...) -> ...", argument names, return annotation, positions of tensor arguments)`` of ``fn``.
-
-    Defaults are left out of the schema on purpose: the wrapper always passes every argument, so a default
-    that has no schema spelling (a dtype, a tuple) is never a problem.
-    """
-    params, hints = _params(fn), hints_of(fn)
-    mutates = tuple(mutates)
-    names = [p.name for p in params]
+    """``(schema "(...) -> ...", argument names, return annotation, positions of tensor arguments)`` of ``fn``,
+    whose every parameter has a schema type before any call (:class:`OpaqueError` otherwise, also for a constant
+    or a parameter typed by the first call, which :func:`opaque` takes but only types at the first call)."""
+    params, hints = parameters(fn), hints_of(fn)
+    args = [classify(p, hints) for p in params]
+    untyped = [a.name for a in args if a.base is None]
+    if untyped:
+        raise OpaqueError(f"opaque: {fn!r} has arguments typed only by its first call: {untyped}")
+    names = [a.name for a in args]
     for m in mutates:
         if m not in names:
             raise OpaqueError(f"opaque: mutates names {m!r}, which is not an argument of {fn!r} (arguments: {names})")
-    letters = iter("abcdefghijklmnopqrstuvwxyz")
-    args = [_arg_schema(p.name, _param_type(p, hints), next(letters) if p.name in mutates else None)
-            for p in params]
     if "return" not in hints:
         raise OpaqueError(f"opaque: {fn!r} has no return annotation; add `-> Tensor`, `-> Tuple[Tensor, Tensor]` "
                           f"or `-> None` (for an op that only writes into arguments named in mutates)")
     ret = hints["return"]
-    tensors = [i for i, a in enumerate(args) if a.startswith("Tensor")]
-    return f"({', '.join(args)}) -> {_return_schema(ret)}", names, ret, tensors
+    tensors = [i for i, a in enumerate(args) if a.base.startswith("Tensor")]
+    return op_schema(args, mutates, ret), names, ret, tensors
 
 
 # ------------------------------------------------------------------------------------------------------ fakes
@@ -197,9 +167,9 @@ def make_fake(fake: Any, names: list[str], ret: Any, qualname: str) -> Callable:
         raise OpaqueError(f"opaque: {qualname} returns {ret!r}, so Dynamo needs a fake that gives the output "
                           f"shapes: pass fake='like:<arg>', fake={{'shape': ..., 'dtype': ...}} or a function with "
                           f"the same signature that returns empty tensors of the right shape")
-    if callable(fake) and not isinstance(fake, (str, tuple, list, dict)):
+    if not _is_spec(fake):
         return fake
-    multi = isinstance(fake, list) or (isinstance(fake, tuple) and _like_name(fake) is None)
+    multi = _multi(fake)
     makers = [_one_output(s, names) for s in (fake if multi else [fake])]
     arity = len(typing.get_args(ret)) if typing.get_origin(ret) is tuple else 1
     if len(makers) != arity:

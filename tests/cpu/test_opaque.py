@@ -3,7 +3,7 @@
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Dict, Literal, Optional, Tuple
 
 import pytest
 import torch
@@ -181,10 +181,10 @@ def test_clear_errors(make, kwargs, match):
 
 
 def test_unsupported_types_name_the_argument():
-    def takes_object(x: torch.Tensor, cfg: Any) -> torch.Tensor:
-        return x
+    def tensor_or_float(x: torch.Tensor, scale: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return x  # neither a schema type nor a constant (it holds tensors)
 
-    def untyped(x, y) -> torch.Tensor:
+    def mixed_literal(x: torch.Tensor, mode: Literal["a", 1]) -> torch.Tensor:
         return x
 
     def no_return(x: torch.Tensor):
@@ -193,7 +193,8 @@ def test_unsupported_types_name_the_argument():
     def needs_fake(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return x, x
 
-    for fn, match in ((takes_object, "'cfg'"), (untyped, "'x'"), (no_return, "return"), (needs_fake, "fake")):
+    for fn, match in ((tensor_or_float, "'scale'"), (mixed_literal, "'mode'"), (no_return, "return"),
+                      (needs_fake, "fake")):
         with pytest.raises(OpaqueError, match=match):
             opaque(fn)
 
