@@ -47,7 +47,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     model = _hf_wrapped(model)
     given = {"mode": mode, "max_tokens": max_tokens, "compiler": compiler, "split_ops": split_ops,
              "capture_sizes": capture_sizes}
-    fields = {k: (tuple(v) if k in ("split_ops", "capture_sizes") else v) for k, v in given.items() if v is not None}
+    fields = {k: v for k, v in given.items() if v is not None}  # Config checks and converts them, naming the field
     return GraphedModule(model, (config or Config()).replace(**fields, **options), advisor=DoctorAdvisor())
 
 

@@ -1,10 +1,12 @@
-"""How a GraphedModule meets Dynamo: the traced entry, the trace's argument copies, the binding of a call's
-arguments to the program's flat inputs, and packing the runner's flat outputs back into the model's output."""
+"""How a GraphedModule meets Dynamo: the traced entry, the trace's argument copies, and the binding of a call's
+arguments (by name) to the program's flat inputs and of its flat outputs to the model's output (outputs.py packs
+them)."""
 
 from __future__ import annotations
 
 import copy
 import enum
+import inspect
 import itertools
 import logging
 import re
@@ -14,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from .program import ArgSpec, InputKind, token_arguments
+from .outputs import packer, side_outputs, unpack_single
+from .program import ArgSpec, InputKind, describe, token_arguments
 from .trace.backend import UnsupportedGraph
 
 log = logging.getLogger("piecegraph")
@@ -32,6 +35,24 @@ def fresh_entry() -> Callable[..., Any]:
     separate models must not share (and exhaust) one cache entry list."""
     code = _entry.__code__.replace(co_name=f"piecegraph_entry_{next(_ENTRIES)}")
     return types.FunctionType(code, _entry.__globals__, code.co_name)
+
+
+def arguments_by_name(signature: inspect.Signature, owner: str, args: tuple, kwargs: dict[str, Any]
+                      ) -> dict[str, Any]:
+    """A call's arguments by name under ``signature`` (``owner``'s forward, named in errors); a ``**kwargs``
+    parameter's entries are arguments of their own (the model is called as ``model(**values)``), and ``*args`` is
+    refused: it has no names to bind."""
+    bound = signature.bind(*args, **kwargs)
+    values = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in values:
+            values.update(values.pop(name))
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL and values.pop(name, ()):
+            raise TypeError(
+                f"{owner}.forward takes *{name}, which piecegraph cannot bind by name; pass those tensors as named "
+                "arguments (wrap the model in a module whose forward names them)"
+            )
+    return values
 
 
 def trace_copies(values: dict[str, Any], td: int, static_inputs: tuple[str, ...]) -> dict[str, Any]:
@@ -68,8 +89,6 @@ def scratch_arguments(values: dict[str, Any]) -> dict[str, Any]:
             except Exception:  # noqa: BLE001
                 out[k] = v
     return out
-
-
 
 
 def trace_copy(value: Any, td: int) -> Any:
@@ -138,7 +157,7 @@ class Binding:
                 log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
                 return None
         pack = packer(result, outputs)
-        if pack is not None and _side_outputs(result, outputs):
+        if pack is not None and side_outputs(result, outputs):
             log.info("piecegraph: the graph also returns values the model stores elsewhere (an attribute assigned "
                      "in forward); calls go through Dynamo, which applies them")
             return None
@@ -170,10 +189,7 @@ class Binding:
         """The program's flat inputs for a call's arguments, each checked (see the class docstring)."""
         for key, traced in self.constants.items():
             if not _same_constant(values.get(key, traced[0]), traced):
-                raise ValueError(
-                    f"argument {key}={values.get(key)!r} differs from the traced {key}={traced[1]!r}; "
-                    "piecegraph specialises non-tensor arguments. Pass a tensor, or compile one model per value."
-                )
+                _refuse_constant(key, values.get(key), traced[1])
         flat = []
         for b in self.inputs:
             if b.source is Source.CALLER:
@@ -203,37 +219,6 @@ class Binding:
         return value
 
 
-def _side_outputs(result: Any, outputs: tuple[Any, ...]) -> bool:
-    """Whether the graph returns tensors that are not part of the model's result: Dynamo's side effects (a
-    buffer re-assigned in forward), which only its own compiled code applies."""
-    returned = {id(t) for t in ([result] if isinstance(result, torch.Tensor) else result)}
-    return any(isinstance(o, torch.Tensor) and id(o) not in returned for o in outputs)
-
-
-def unpack_single(outputs: tuple[Any, ...]) -> Any:
-    return outputs[0]
-
-
-def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
-    """How to rebuild ``result`` (a tensor, or a tuple or list of tensors) from the program's flat ``outputs``."""
-    if outputs is None:
-        return None
-
-    def index(t: Any) -> int | None:
-        return next((i for i, o in enumerate(outputs) if o is t), None)
-
-    if isinstance(result, torch.Tensor):
-        i = index(result)
-        return None if i is None else (lambda outs: outs[i])
-    if isinstance(result, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in result):
-        idx = [index(t) for t in result]
-        if None in idx:
-            return None
-        kind = type(result)
-        return lambda outs: kind(outs[i] for i in idx)
-    return None
-
-
 def _constants(values: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     return {k: _snapshot(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
 
@@ -247,6 +232,27 @@ def _snapshot(value: Any) -> tuple[Any, Any]:
         return value, copy.deepcopy(value)
     except Exception:  # noqa: BLE001
         return value, value
+
+
+def _refuse_constant(key: str, value: Any, traced: Any) -> None:
+    # A container's tensors are specialised with it and compared by value, which a tensor of more than one element
+    # never passes: "differs" would be wrong even for the very same dict.
+    if _holds_tensor(traced):
+        raise TypeError(
+            f"argument {key}={describe(value)} holds tensors inside a {type(traced).__name__}; piecegraph takes "
+            "tensors as arguments of their own (other arguments keep their traced value): pass each one separately"
+        )
+    raise ValueError(
+        f"argument {key}={describe(value)} differs from the traced {key}={describe(traced)}; piecegraph "
+        "specialises non-tensor arguments. Pass a tensor, or compile one model per value."
+    )
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return any(_holds_tensor(v) for v in items)
 
 
 def _same_constant(value: Any, traced: tuple[Any, Any]) -> bool:

@@ -10,8 +10,14 @@ from typing import Any
 import torch
 import typer
 
+DEVICES = ("auto", "cpu", "cuda")
+
 
 def resolve_device(device: str) -> str:
+    """``--device``: ``auto`` (CUDA when torch sees it, else the CPU), ``cpu`` or ``cuda``; anything else is a usage
+    error naming the option and what it accepts (a GPU is chosen with CUDA_VISIBLE_DEVICES, not ``cuda:1``)."""
+    if device not in DEVICES:
+        raise typer.BadParameter(f"{device!r} is not one of {', '.join(DEVICES)}", param_hint="--device")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -90,12 +96,14 @@ def _load_transformers(path: str, device: str, dtype: torch.dtype):
 
 def int_list(text: str, option: str) -> list[int]:
     """``"1,10,256"`` -> ``[1, 10, 256]`` (``""`` -> ``[]``); anything else is a usage error naming ``option``."""
+    # One short message for both mistakes: it fits on one line of an 80-column terminal after typer's prefix.
+    wrong = typer.BadParameter(f"{text!r}: expected positive ints like 1,10,256", param_hint=option)
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=option) from None
+        raise wrong from None
     if any(v < 1 for v in values):
-        raise typer.BadParameter(f"{text!r}: values must be positive", param_hint=option)
+        raise wrong
     return values
 
 

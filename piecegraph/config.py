@@ -8,6 +8,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from .program import describe
+
 MODES = ("piecewise", "full", "none", "breakable", "auto")
 COMPILERS = ("inductor", "eager")
 TOKEN_MIXING = ("exact", "error", "pad")
@@ -38,12 +42,14 @@ class Config:
             naming them runs the doctor's trace, which resets Dynamo's caches, so other torch.compile'd code
             recompiles once).
         split_ops: extra split ops as ``"namespace::name"`` strings or op objects, on top of those declared with
-            :func:`piecegraph.split_op`.
-        capture_sizes: token counts to capture; default :func:`default_capture_sizes` of ``max_tokens``.
+            :func:`piecegraph.split_op`; one split op may be given alone (``split_ops="mylib::attention"``).
+        capture_sizes: token counts to capture, a list (``(8,)`` for one size; a bare int is refused: it more
+            likely meant ``max_tokens``); default :func:`default_capture_sizes` of ``max_tokens``.
         max_tokens: the largest captured size when ``capture_sizes`` is not given.
         compiler: ``"inductor"`` compiles each piece once for a symbolic token count; ``"eager"`` runs the
             traced pieces as they are.
-        token_dim: the dimension of every tensor input that counts tokens (marked dynamic, padded to a size).
+        token_dim: the dimension of every tensor input that counts tokens (marked dynamic, padded to a size); a
+            dim no tensor argument has is refused on the first call.
         copy_outputs: return copies of the outputs (default). ``False`` returns views of graph-owned memory,
             valid only until the next call.
         warmup_runs: eager runs of each size before it is captured.
@@ -93,34 +99,35 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+            raise ValueError(f"mode={describe(self.mode)} is not one of {MODES}")
         if self.compiler not in COMPILERS:
-            raise ValueError(f"compiler={self.compiler!r} is not one of {COMPILERS}")
+            raise ValueError(f"compiler={describe(self.compiler)} is not one of {COMPILERS}")
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("warmup_runs", self.warmup_runs, 0)
         _check_int("token_dim", self.token_dim, 0, "dims are counted from the front")
         for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise ValueError(f"{name}={describe(getattr(self, name))} must be True or False")
         if self.verify is not None and not isinstance(self.verify, bool):
-            raise ValueError(f"verify={self.verify!r} must be True, False or None")
+            raise ValueError(f"verify={describe(self.verify)} must be True, False or None")
         tol = self.verify_tol
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
                                 or tol < 0):
-            raise ValueError(f"verify_tol={tol!r} must be a finite number >= 0 (a relative error, e.g. 1e-2)")
+            raise ValueError(f"verify_tol={describe(tol)} must be a finite number >= 0 (a relative error, e.g. 1e-2)")
         if self.token_mixing not in TOKEN_MIXING:
-            raise ValueError(f"token_mixing={self.token_mixing!r} is not one of {TOKEN_MIXING}")
+            raise ValueError(f"token_mixing={describe(self.token_mixing)} is not one of {TOKEN_MIXING}")
         names = (self.static_inputs,) if isinstance(self.static_inputs, str) else self.static_inputs
         if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"static_inputs={self.static_inputs!r} must be argument names, e.g. ('memory',)")
+            raise ValueError(f"static_inputs={describe(self.static_inputs)} must be a list of argument names, e.g. "
+                             "static_inputs=('memory',)")
         object.__setattr__(self, "static_inputs", tuple(names))
         object.__setattr__(self, "split_ops", _split_ops(self.split_ops))
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
         if self.pool is not None and not hasattr(self.pool, "acquire"):
             raise TypeError(
-                f"pool={self.pool!r} must be a piecegraph.GraphPool (a raw torch.cuda.graph_pool_handle() shares "
-                f"no memory: each model would capture on a stream of its own); pass pool=piecegraph.GraphPool()"
+                f"pool={describe(self.pool)} must be a piecegraph.GraphPool (a raw torch.cuda.graph_pool_handle() "
+                f"shares no memory: each model would capture on a stream of its own); pass pool=piecegraph.GraphPool()"
             )
 
     @property
@@ -154,22 +161,41 @@ def _check_int(name: str, value: Any, low: int, hint: str = "") -> None:
     # bool is an int subclass; True as a size is always a mistake.
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         extra = f" ({hint})" if hint else ""
-        raise ValueError(f"{name}={value!r} must be an int >= {low}{extra}")
+        raise ValueError(f"{name}={describe(value)} must be an int >= {low}{extra}")
 
 
 def _capture_sizes(sizes: Any) -> tuple[int, ...]:
-    if isinstance(sizes, (int, str, bytes)) or not hasattr(sizes, "__iter__"):
-        raise ValueError(f"capture_sizes={sizes!r} must be a list of positive ints, e.g. capture_sizes=(1, 8, 64)")
+    # One int is refused rather than taken as one size: capture_sizes=512 more likely meant max_tokens=512.
+    if isinstance(sizes, (int, str, bytes, torch.Tensor)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"capture_sizes={describe(sizes)} must be a list of positive ints, e.g. capture_sizes=(8,) "
+                         "for one size or (1, 8, 64); for every size up to N, pass max_tokens=N instead")
     values = list(sizes)
     bad = [s for s in values if isinstance(s, bool) or not isinstance(s, int) or s < 1]
     if bad or not values:
-        raise ValueError(f"capture_sizes={sizes!r} must be a non-empty list of positive ints (got {bad or 'none'})")
+        raise ValueError(f"capture_sizes={describe(sizes)} must be a non-empty list of positive ints (got "
+                         f"{describe(bad) if bad else 'none'})")
     return tuple(sorted(set(values)))
 
 
 def _split_ops(ops: Any) -> tuple[Any, ...]:
-    ops = tuple(ops or ())
+    if ops is None:
+        return ()
+    if _is_one_op(ops):
+        ops = (ops,)  # one split op given alone, as static_inputs takes one name
+    elif isinstance(ops, torch.Tensor) or not hasattr(ops, "__iter__"):
+        raise ValueError(f"split_ops={describe(ops)} must be a list of split ops ('namespace::name' strings or torch "
+                         "ops), e.g. split_ops=('mylib::attention',)")
+    ops = tuple(ops)
     for op in ops:  # op objects are named by piecegraph.ops.split; names must at least have the namespace
         if isinstance(op, str) and ("::" not in op or not all(op.split("::"))):
             raise ValueError(f"split_ops entry {op!r} must be written 'namespace::name', e.g. 'mylib::attention'")
+        if not _is_one_op(op):
+            raise ValueError(f"split_ops entry {describe(op)} is not a split op: pass 'namespace::name' strings or "
+                             "torch ops (torch.ops.mylib.attention, an overload, a torch.library.custom_op)")
     return ops
+
+
+def _is_one_op(value: Any) -> bool:
+    """A split op by name or op object: a string, a torch op packet or overload, a ``torch.library.custom_op``."""
+    return isinstance(value, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or isinstance(
+        getattr(value, "_qualname", None), str)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from .config import Config
+from .program import check_token_dim
 from .runner import FlatRunner
 from .trace.backend import build_program
 
@@ -29,4 +30,6 @@ def piecegraph_backend(
     config = options.pop("config", None) or Config()
     if options:
         config = config.replace(**options)
-    return FlatRunner(build_program(gm, example_inputs, config), config)
+    program = build_program(gm, example_inputs, config)
+    check_token_dim({program.names[i]: example_inputs[i] for i in program.caller_inputs}, config.token_dim)
+    return FlatRunner(program, config)

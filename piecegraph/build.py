@@ -1,0 +1,86 @@
+"""A GraphedModule's first call builds its runners: a Dynamo trace split into a program and bound to the call's
+arguments, or (``mode="breakable"``) the eager model captured in segments. Also: which tensor a failed trace or a
+token-count mismatch shows to be static, not a token input."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
+from .config import Config
+from .graphs.breakable import build_breakable_program
+from .program import TokenCountMismatch
+from .runner import FlatRunner
+from .trace.backend import build_program
+
+log = logging.getLogger("piecegraph")
+
+
+def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, runners: list[FlatRunner],
+                verify_sizes: float | None = None) -> tuple[Callable[..., Any], Binding | None]:
+    """Trace ``model`` with Dynamo once, on copies of the call's arguments (its tensors are never written).
+
+    Every compile appends its runner to ``runners``, a recompile on a later call too; the trace call itself runs
+    the pieces without graphs. Returns the compiled call (``compiled(**values)``) and the binding that lets later
+    calls skip Dynamo (``None``: they go through it). ``verify_sizes``: how many captured sizes each runner
+    verifies (default: the config's ``verify``). Dynamo's errors propagate."""
+    trace_values = trace_copies(values, config.token_dim, config.static_inputs)
+    examples: list[list[Any]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        # A recompile's runner is not tracing: it captures at once.
+        runner = FlatRunner(build_program(gm, example_inputs, config), config, tracing=not examples,
+                            verify_sizes=verify_sizes)
+        examples.append(list(example_inputs))
+        runners.append(runner)
+        return runner
+
+    compiled = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+
+    def call(**kw: Any) -> Any:
+        return compiled(model, kw)
+
+    result = call(**trace_values)
+    runner = runners[-1]
+    runner.end_trace()
+    return call, bind_trace(runner, examples[0], trace_values, result, config.token_dim)
+
+
+def bind_trace(runner: FlatRunner, example_inputs: list[Any], trace_values: dict[str, Any], result: Any,
+               token_dim: int) -> Binding | None:
+    """Map the graph's inputs to the call's arguments, so later calls skip Dynamo's guards; the runner's inputs
+    are then labelled by argument name, and the caller's static tensors staged."""
+    program = runner.program
+    binding = Binding.from_trace(example_inputs, program.names, program.kinds, trace_values, result,
+                                 runner.last_outputs, token_dim)
+    if binding is not None:
+        runner.label_inputs(binding.labels())
+        runner.stage_caller_statics(binding.caller_indices())
+    return binding
+
+
+def breakable_model(model: torch.nn.Module, values: dict[str, Any], config: Config,
+                    graphs: bool | None = None) -> tuple[FlatRunner, Binding]:
+    """No Dynamo: the eager model, captured in segments cut at split ops (see graphs/breakable.py), probed on
+    copies of the call's arguments. Every input is the caller's (none is a parameter), so every one is staged."""
+    program = build_breakable_program(model, scratch_arguments(values), config)
+    runner = FlatRunner(program, config, graphs=graphs)
+    runner.stage_caller_statics(range(len(values)))
+    return runner, Binding.of_arguments(values, program.single_output)
+
+
+def static_from_mismatch(err: TokenCountMismatch, values: dict[str, Any], labels: list[str],
+                         traced_counts: dict[str, int]) -> set[str]:
+    """The arguments a token-count mismatch shows to be static: taken for token inputs on the first call (their
+    dim ``token_dim`` happened to equal the token count, a (1, D) row at one token), they kept their size while
+    the first token input's changed. Empty when nothing explains the mismatch so."""
+    order = {name: i for i, name in enumerate(values)}
+    # The first token argument (in the signature) defines the token count, as token_arguments() decides.
+    first, *others = sorted(err.sizes, key=lambda i: order.get(labels[i], len(order)))
+    if err.sizes[first] == traced_counts.get(labels[first]):
+        return set()  # the tokens kept their count: the other input is wrong, not static
+    kept = {labels[i] for i in others if err.sizes[i] == traced_counts.get(labels[i])}
+    return kept if kept <= set(values) else set()

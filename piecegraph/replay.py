@@ -1,0 +1,188 @@
+"""Capture and replay of a program's capture sizes: a size captured on first use (after its warm-up runs),
+verified if asked (and dropped when its replay disagrees with the program run without graphs), replayed after."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from .config import Config
+from .context import current_forward_context, override_forward_context
+from .graphs.capture import GraphPool, capture_session, timed_capture
+from .graphs.static_context import StaticContext
+from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs, verify_tolerance
+from .program import Phase, Program
+from .sizes import SizeTable
+from .staging import Staging
+
+log = logging.getLogger("piecegraph")
+
+
+class Replayer:
+    """Runs a program's graphs for one size at a time; the runner picks the size (:class:`SizeTable`).
+
+    ``verify_sizes``: how many captured sizes to verify (default every one when ``config.verify``, else none).
+    Every run but the call's one replay is piecegraph's own (warm-up, capture, verification): the inputs the
+    program writes and, for an eager model, its buffers are restored after them. ``mode="full"`` graphs also
+    capture the forward context, kept in a :class:`StaticContext` refilled before each replay.
+    """
+
+    def __init__(self, program: Program, config: Config, staging: Staging, table: SizeTable,
+                 verify_sizes: float | None = None):
+        self.program = program
+        self.config = config
+        self.state = program.state
+        self.staging = staging
+        self.table = table
+        self.replays = 0
+        self.verify_left = (float("inf") if config.verify else 0) if verify_sizes is None else verify_sizes
+        # Verifying every size also checks each size's first padded call (a size first met exactly was not).
+        self.verify_padded = self.verify_left == float("inf")
+        self.static_context = StaticContext(max(table.sizes, default=1)) if config.mode == "full" else None
+
+    def set_static(self, n: int) -> None:
+        """A static trace's one size is ``n`` (the first graphed call's token count)."""
+        self.table.set_static(n)
+        if self.static_context is not None:
+            self.static_context = StaticContext(n)
+
+    def run(self, flat: Sequence[Any]) -> Any:
+        """The program without graphs, on ``flat`` as it is (unpadded)."""
+        self.state.phase = Phase.RUN
+        return self.program.call(*flat)
+
+    def call(self, flat: Sequence[Any], n: int, size: int) -> Any | None:
+        """The outputs of ``size``'s graphs for a call of ``n`` tokens (captured first on its first use), the
+        model's in-place writes copied back to the caller; ``None`` when verifying ``size`` just dropped it (the
+        call then runs without a graph)."""
+        padded = self._stage(flat, n, size)
+        if self.table.is_captured(size):
+            if n < size and self.verify_padded and size not in self.table.padded_checked:
+                self._verify_padded(flat, padded, n, size)
+                if size in self.table.dropped:
+                    return None
+                padded = self._stage(flat, n, size)
+            outputs = self.replay(padded, n, size)
+        else:
+            self._first_use(flat, padded, n, size)
+            if size in self.table.dropped:
+                return None
+            outputs = self.replay(self._stage(flat, n, size), n, size, count=False)  # the capturing call
+        self.staging.write_back(flat, padded, n)
+        return outputs
+
+    def _stage(self, flat: Sequence[Any], n: int, size: int) -> list[Any]:
+        return self.staging.stage(flat, n, size, self.table.largest)
+
+    # -- capture ----------------------------------------------------------------------------------------
+    def _first_use(self, flat: Sequence[Any], padded: list[Any], n: int, size: int) -> None:
+        """Capture ``size`` (after its warm-up runs) and verify it if asked; the replay that follows is the
+        call's only run."""
+        saved = self.staging.save_written(padded)
+        with self.staging.extra_runs():
+            self._capture(padded, n, size, saved)
+            self.staging.restore(padded, saved)
+            if self.verify_left > 0:
+                self.verify_left -= 1
+                self._verify(flat, n, size, saved)
+                self.staging.restore(padded, saved)
+                if n < size:
+                    self.table.padded_checked.add(size)
+
+    def _capture(self, padded: list[Any], n: int, size: int, saved: dict[int, torch.Tensor]) -> None:
+        if not self.config.emulate_graphs and self.state.stream is None:
+            # One pool and one side stream for every size: captured largest first, sizes share memory.
+            self.state.pool, self.state.stream = (self.config.pool or GraphPool()).acquire()
+        meta = current_forward_context()
+        if self.static_context is not None and meta is not None:
+            meta = self.static_context.for_capture(meta, n, size)
+
+        def capture() -> Any:
+            with override_forward_context(meta), (
+                capture_session() if torch.cuda.is_available() else contextlib.nullcontext()
+            ):
+                self.state.size = size
+                for _ in range(self.config.warmup_runs):
+                    self.state.phase = Phase.WARMUP
+                    self.program.call(*padded)
+                with self.staging.recording_writes(padded, saved):
+                    self.state.phase = Phase.CAPTURE
+                    try:
+                        return self.program.call(*padded)
+                    finally:
+                        self.state.phase = Phase.RUN
+
+        _, seconds = timed_capture(capture)
+        self.table.record_capture(size, seconds)
+        log.info("piecegraph: captured size %d in %.3f s", size, seconds)
+
+    # -- replay -----------------------------------------------------------------------------------------
+    def replay(self, padded: list[Any], n: int, size: int, count: bool = True) -> Any:
+        """Replay ``size`` on staged inputs (``count``: a replay the stats count; piecegraph's own are not)."""
+        meta = current_forward_context()
+        if self.static_context is not None:
+            if size not in self.static_context.captured:
+                meta = None  # captured without a context: the graph reads none, so there is nothing to refill
+            elif meta is None:
+                raise ValueError(
+                    f"mode='full': size {size} was captured with a forward context and is now called without one; "
+                    "the graph would replay the captured metadata. Call it inside "
+                    "`with piecegraph.forward_context(meta):`, or call recapture() to capture it anew."
+                )
+        if self.static_context is not None and meta is not None:
+            self.static_context.for_replay(meta, n, size)
+            meta = self.static_context.captured[size][0]  # what an emulated replay's split ops must read
+        self.state.size = size
+        self.state.phase = Phase.REPLAY
+        try:
+            with override_forward_context(meta):
+                outputs = self.program.call(*padded)
+        finally:
+            self.state.phase = Phase.RUN
+        if count:
+            self.replays += 1
+        return outputs
+
+    # -- verify and drop --------------------------------------------------------------------------------
+    def _verify_padded(self, flat: Sequence[Any], padded: list[Any], n: int, size: int) -> None:
+        """The first padded call of a size that was captured (and verified) at exactly its size."""
+        self.table.padded_checked.add(size)
+        saved = self.staging.save_written(padded)
+        with self.staging.extra_runs():
+            self._verify(flat, n, size, saved)
+            self.staging.restore(padded, saved)
+
+    def _verify(self, flat: Sequence[Any], n: int, size: int, saved: dict[int, torch.Tensor]) -> None:
+        """Replay ``size`` on token inputs rolled by one row and compare with the same program without graphs,
+        unpadded (``n`` rows), both from the same state. On a mismatch beyond ``config.verify_tol`` the size is
+        dropped (its graphs freed, later calls run without a graph) and a warning names it."""
+        td = self.config.token_dim
+        rolled = rolled_token_inputs(flat, self.staging.token_idx, n, td)
+        staged = self._stage(rolled, n, size)
+        with self.staging.extra_runs():
+            replayed = [o.clone() if isinstance(o, torch.Tensor) else o
+                        for o in self.replay(staged, n, size, count=False)]
+        self.staging.restore(staged, saved)
+        # Against the unpadded run: a padded reference would hide an op that mixes pad rows into real ones.
+        with self.staging.extra_runs():
+            error = rel_error(replayed, self.run(rolled), n, td, self.program.token_outputs)
+        tol = verify_tolerance(self.config.verify_tol, replayed)
+        if error <= tol:
+            log.info("piecegraph: verified size %d (rel. error %.2e)", size, error)
+            return
+        self.table.drop(size, error)
+        for piece in self.program.pieces:
+            piece.captured.pop(size, None)
+        warnings.warn(dropped_warning(size, error, tol), stacklevel=7)  # out through the runner to the module call
+
+    def drop_all(self) -> None:
+        """Forget every captured size; the next call of each size captures again."""
+        for piece in self.program.pieces:
+            piece.drop()
+        self.table.forget_captures()
+        if self.static_context is not None:
+            self.static_context.captured.clear()
