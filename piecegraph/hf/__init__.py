@@ -4,13 +4,15 @@
 unmodified ``transformers`` causal LM over flat tokens on piecegraph's paged KV cache: its attention calls the
 split op ``piecegraph_models::attention``, so the graph splits into ``num_layers + 1`` pieces.
 ``generate(hf_model, prompts, max_new_tokens)`` is greedy generation with packed piecewise prefill and
-full-graph decode. Importing this package does not import transformers.
+full-graph decode. ``unwrap(model)`` (or ``HFDecoder.unwrap()``, or the end of ``with HFDecoder(model)``) gives
+the model back exactly as it was; while wrapped, its own forward, ``generate`` and ``generate_batch`` work as
+before. Importing this package does not import transformers.
 """
 
 from piecegraph.hf.arch import SUPPORTED, UnsupportedModelError, cache_config, check_supported
 from piecegraph.hf.generate import Session, eos_ids, generate, wrap
 from piecegraph.hf.load import load, read_model_type
-from piecegraph.hf.model import HFDecoder, is_hf_model
+from piecegraph.hf.model import HFDecoder, is_hf_model, unwrap
 
 __all__ = [
     "HFDecoder",
@@ -24,5 +26,6 @@ __all__ = [
     "is_hf_model",
     "load",
     "read_model_type",
+    "unwrap",
     "wrap",
 ]

@@ -71,7 +71,7 @@ def head_dim(config: Any) -> int:
 
 
 def cache_config(config: Any, max_seq_len: int | None = None, attention_backend: str = "auto") -> ModelConfig:
-    """The :class:`ModelConfig` a :class:`~piecegraph.models.KVCache` (and ``generate``, the bench) needs.
+    """The :class:`ModelConfig` a :class:`~piecegraph.attention.KVCache` (and ``generate``, the bench) needs.
 
     Only its cache shape is real: layers, kv heads (GQA: ``num_key_value_heads``, default the query heads),
     ``head_dim``, vocabulary and hidden size. Norm epsilon, RoPE theta and biases stay with the Hugging Face

@@ -1,21 +1,32 @@
 """piecegraph's attention inside an unmodified Hugging Face model, through transformers' ``AttentionInterface``.
 
-:func:`install` registers one attention function, ``"piecegraph"``, and switches a model to it. The function
-has two behaviours, chosen by a keyword argument the flat-token forward passes down (``piecegraph_flat=True``,
-carried by Hugging Face's ``**kwargs`` from the base model to every attention call):
+Wrapping leaves the model's config as it is. :func:`install` gives each attention module (``self_attn``) a *view*
+of its config instead: every field is the config's (the view shares its ``__dict__``, so a change shows in both)
+except ``_attn_implementation``, which reads ``"piecegraph"``. The module then calls
+:func:`attention`, registered under that name in ``AttentionInterface``. It has two behaviours, chosen by a keyword
+argument the flat-token forward passes down (``piecegraph_flat=True``, carried by Hugging Face's ``**kwargs`` from
+the base model to every attention call):
 
 - flat (piecegraph's forward): q, k, v of ``[1, heads, T, head_dim]`` become flat ``[T, heads * head_dim]`` rows
   and go to the split op ``piecegraph_models::attention`` (KV-cache write and paged attention), with the layer's
   softmax scale, sliding window and logit softcap as arguments. Anything else the model asks for is refused with
   an error naming the model type, never ignored.
-- otherwise (Hugging Face's own forward and ``generate``): the implementation the model had before, unchanged,
-  and its own mask function (registered under ``"piecegraph"`` in ``AttentionMaskInterface``, dispatching the
-  same way), so the model's own forward gives exactly what it gave before.
+- otherwise (Hugging Face's own forward, ``generate``, ``generate_batch``): the function Hugging Face itself would
+  call, looked up from the implementation the module's config names *now*. The model's own forward gives exactly
+  what it gave, ``set_attn_implementation`` keeps working, and continuous batching's switch to ``"paged|eager"``
+  reaches the paged eager function. The config itself never names ``"piecegraph"``, so masks, ``generate`` and
+  ``generate_batch``'s checks (it accepts only ``"sdpa"``, ``"paged|eager"`` and flash) see what they saw before.
+
+:func:`restore` gives the modules their own configs back. The registration is process-wide (every
+``AttentionInterface.register`` is) but is nobody's default: only the views name it, and a config set to it by
+hand is refused with a message. :func:`release` removes it when the last live wrap is undone (a model dropped
+while wrapped counts as live until it is garbage-collected).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -25,69 +36,115 @@ from piecegraph.hf.arch import UnsupportedModelError, model_type
 
 NAME = "piecegraph"
 FLAT = "piecegraph_flat"
-_PREVIOUS = "_piecegraph_previous_attn"  # attribute on each attention module: the implementation it had
 # Keyword arguments of HF attention calls that carry nothing the paged op needs (or that it honours itself).
 _IGNORED = frozenset({FLAT, "position_ids", "cache", "past_key_values", "cache_position", "use_cache",
                       "output_attentions", "is_causal", "dropout", "scaling", "sliding_window", "softcap"})
-_registered = False
+_users: weakref.WeakSet = weakref.WeakSet()  # the live wraps; "piecegraph" stays registered while there is one
+_view_classes: dict[type, type] = {}  # config class -> its view class
 
 
-def register() -> None:
-    """Register ``"piecegraph"`` with transformers' attention and mask interfaces (once per process)."""
-    global _registered
-    if _registered:
-        return
+def acquire(user: Any) -> None:
+    """Register ``"piecegraph"`` with ``AttentionInterface`` for ``user`` (a live wrap; held weakly)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, _mask)
-    _registered = True
+    _users.add(user)
 
 
-def install(model: Any) -> None:
-    """Switch ``model``'s attention to ``"piecegraph"``, remembering each module's previous implementation.
-
-    Idempotent. The previous implementation keeps serving every call that is not piecegraph's flat forward.
-    """
-    register()
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if previous == NAME:
+def release(user: Any) -> None:
+    """Drop ``user``; the last one gone unregisters ``"piecegraph"`` (transformers' registry as it was)."""
+    _users.discard(user)
+    if _users:
         return
-    for module in model.modules():
-        if hasattr(module, "is_causal") and hasattr(module, "scaling"):  # an attention module
-            setattr(module, _PREVIOUS, previous)
-    _configs_previous[id(model.config)] = previous
-    model.config._attn_implementation = NAME
-
-
-_configs_previous: dict[int, str] = {}  # config id -> its previous implementation (for the mask function)
-
-
-def _previous_attention(module: torch.nn.Module) -> Any:
     from transformers import AttentionInterface
 
-    name = getattr(module, _PREVIOUS, "sdpa")
-    if name == "eager" or name not in AttentionInterface._global_mapping:
-        # Each modeling file has its own eager attention (Gemma 2's applies the softcap): take that one.
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return AttentionInterface._global_mapping[name]
+    if AttentionInterface._global_mapping.get(NAME) is attention:  # register() has no inverse: its dict
+        del AttentionInterface._global_mapping[NAME]
 
 
-def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
-    """The mask of the model's previous implementation (the flat forward passes its own and never gets here)."""
-    from transformers.masking_utils import AttentionMaskInterface
+def registered() -> bool:
+    """Whether ``"piecegraph"`` is registered with transformers' ``AttentionInterface`` now."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and transformers.AttentionInterface._global_mapping.get(NAME) is attention
 
-    previous = _configs_previous.get(id(config), "sdpa")
-    fn = AttentionMaskInterface._global_mapping.get(previous, AttentionMaskInterface._global_mapping["sdpa"])
-    return fn(*args, config=config, **kwargs)
+
+def is_view(config: Any) -> bool:
+    return bool(getattr(type(config), "_piecegraph_view", False))
+
+
+def view(config: Any) -> Any:
+    """``config`` as a wrapped attention module sees it: every field is ``config``'s (the same ``__dict__``), but
+    ``_attn_implementation`` reads ``"piecegraph"``; ``hf_attn_implementation`` is ``config``'s. Copied or
+    pickled, it stays a view, of the copy of ``config``."""
+    if is_view(config):
+        return config
+    base = type(config)
+    cls = _view_classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {
+            "__module__": __name__,
+            "__doc__": f"A {base.__name__} as piecegraph's attention modules see it (piecegraph.hf.attention.view).",
+            "__slots__": ("piecegraph_config",),  # the config viewed (a slot: the shared __dict__ is the config's)
+            "_piecegraph_view": True,
+            "_attn_implementation": property(lambda self: NAME),
+            "hf_attn_implementation": property(lambda self: self.piecegraph_config._attn_implementation),
+            "__eq__": lambda self, other: self.piecegraph_config == getattr(other, "piecegraph_config", other),
+            "__reduce_ex__": lambda self, protocol: (view, (self.piecegraph_config,)),
+        })
+        _view_classes[base] = cls
+    out = object.__new__(cls)
+    out.__dict__ = config.__dict__  # shared, not copied: a field changed on the config is changed here
+    object.__setattr__(out, "piecegraph_config", config)
+    return out
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules of ``model`` (``self_attn``: a module with ``is_causal``, ``scaling`` and a config)."""
+    return [m for m in model.modules()
+            if hasattr(m, "is_causal") and hasattr(m, "scaling") and getattr(m, "config", None) is not None]
+
+
+def install(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """Give each attention module of ``model`` a :func:`view` of its config; returns ``(module, its own config)``
+    for each module changed (none the second time: idempotent). Register with :func:`acquire` first."""
+    changed = []
+    for module in attention_modules(model):
+        if not is_view(module.config):
+            changed.append((module, module.config))
+            module.config = view(module.config)
+    return changed
+
+
+def restore(changed: list[tuple[torch.nn.Module, Any]]) -> None:
+    """Undo :func:`install`: each module gets its own config back."""
+    for module, config in changed:
+        if is_view(module.config):
+            module.config = config
+
+
+def hf_attention(module: torch.nn.Module) -> Any:
+    """The attention function Hugging Face would call for ``module``: its config's implementation, looked up as
+    its modeling file looks it up (``eager`` is that file's own eager function: Gemma 2's applies the softcap)."""
+    config = module.config
+    name = config.hf_attn_implementation if is_view(config) else config._attn_implementation
+    if name == NAME:
+        raise ValueError(
+            f"model_type {model_type(config)!r}: the model's config names the attention implementation {NAME!r}, "
+            "which is piecegraph.hf's own: it serves only piecegraph.hf.HFDecoder's flat forward, which selects it "
+            "per attention module by itself. Set one of Hugging Face's implementations instead "
+            "(model.set_attn_implementation('sdpa')) and wrap the model with piecegraph.hf.HFDecoder(model)")
+    source = sys.modules[type(module).__module__]
+    functions = getattr(source, "ALL_ATTENTION_FUNCTIONS", None)
+    if functions is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
+    return functions.get_interface(name, getattr(source, "eager_attention_forward", None))
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+              attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The ``"piecegraph"`` attention function (see the module docstring). Returns ``([1, T, H, D], None)``."""
     if not kwargs.get(FLAT):
-        return _previous_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
+        return hf_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
     scale, window, softcap = _constants(module, args, kwargs)
     batch, heads, tokens, dim = query.shape
     if batch != 1:

@@ -51,18 +51,25 @@ class Session:
     FlashInfer on a GPU that has it, for bf16/fp16); a backend the model's layers cannot use is refused naming
     its model type. Every other keyword is a :class:`piecegraph.Config` field of both compiled modules
     (a mixture of experts on ``grouped_mm`` / ``batched_mm`` defaults to ``token_mixing="pad"``: those experts
-    are row-wise, so padded calls replay graphs of every capture size).
+    are row-wise, so padded calls replay graphs of every capture size). :meth:`close` (or the end of a ``with``
+    block) gives back a model the session wrapped itself as it was, and frees the graphs and the cache.
     """
 
     def __init__(self, model: Any, *, max_seqs: int, max_len: int, mode: str = "graphs",
                  prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, **options: Any) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        self._own_wrapper = not isinstance(model, HFDecoder)
         self.model = wrap(model)
-        device, dtype = device_dtype(self.model)
-        self.cache = KVCache.for_sequences(self.model.config, max_seqs, max_len, page_size, dtype=dtype,
-                                           device=device, backend=backend)
-        self.model.check_backend(self.cache.backend.name)
+        self.closed = False
+        try:
+            device, dtype = device_dtype(self.model)
+            self.cache = KVCache.for_sequences(self.model.config, max_seqs, max_len, page_size, dtype=dtype,
+                                               device=device, backend=backend)
+            self.model.check_backend(self.cache.backend.name)
+        except BaseException:
+            self.close()
+            raise
         self.pool = GraphPool()
         self.mode = mode
         if mode == "eager":
@@ -86,6 +93,8 @@ class Session:
         kept, as Hugging Face keeps it). One packed prefill of every prompt, then decode steps over the
         sequences still running; each finished sequence's pages are freed at once
         (:func:`piecegraph.models.generate.greedy_loop`, the loop the reference decoder uses too)."""
+        if self.closed:
+            raise RuntimeError("this piecegraph.hf.Session was closed: make a new one")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
         if max_new_tokens <= 0:
@@ -93,6 +102,21 @@ class Session:
         stop = stop_ids(eos_ids(self.model, eos_token_id))
         return greedy_loop(self.model, self.cache, prompts, max_new_tokens, prefill_fn=self.prefill,
                            decode_fn=self.decode, stop=stop, tag="hf.generate")
+
+
+    def close(self) -> None:
+        """Give the model back as it was when this session wrapped it (a model the caller wrapped or compiled
+        stays wrapped) and drop the compiled modules, cache and pool; idempotent. Also the end of a ``with``."""
+        if self._own_wrapper:
+            self.model.close()
+        self.prefill = self.decode = self.cache = self.pool = None
+        self.closed = True
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -103,7 +127,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     Returns the new tokens per prompt, stopping at ``max_new_tokens`` or an EOS id (default: the model's
     ``generation_config.eos_token_id``, as Hugging Face's ``generate``; the EOS token is included). ``mode`` and
     ``options`` are :class:`Session`'s (e.g. ``emulate_graphs=True``, ``compiler="eager"``, ``backend="torch"``).
-    Builds a :class:`Session` for this call: tracing, compiling and capturing included.
+    Builds a :class:`Session` for this call (tracing, compiling and capturing included) and closes it after:
+    a model this call wrapped is given back as it was.
 
     Example::
 
@@ -111,5 +136,5 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         tokens = piecegraph.hf.generate(hf, [[1, 2, 3], [4, 5]], max_new_tokens=32)
     """
     longest = max((len(p) for p in prompts), default=1) + max(max_new_tokens, 1)
-    session = Session(model, max_seqs=max(len(prompts), 1), max_len=longest, mode=mode, **options)
-    return session.generate(prompts, max_new_tokens, eos_token_id)
+    with Session(model, max_seqs=max(len(prompts), 1), max_len=longest, mode=mode, **options) as session:
+        return session.generate(prompts, max_new_tokens, eos_token_id)

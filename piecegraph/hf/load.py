@@ -26,6 +26,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: torch.devic
     only), in eval mode. ``dtype`` defaults to the checkpoint's. A mixture-of-experts model keeps Hugging Face's
     default experts implementation (``grouped_mm``) or gets ``batched_mm`` where that falls back to ``eager``
     (a loop Dynamo cannot trace), unless ``options`` names one; other ``options`` go to :class:`HFDecoder`.
+    ``load(path).unwrap()`` is the plain Hugging Face model (see :func:`piecegraph.hf.unwrap`).
     Raises ``FileNotFoundError`` for a directory without ``config.json``, :class:`UnsupportedModelError`
     naming the model type piecegraph cannot run, ``ImportError`` without transformers.
     """

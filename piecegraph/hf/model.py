@@ -3,17 +3,30 @@
 The wrapper owns no weights: it calls the model's own base model (``model.model``) with explicit positions,
 ``use_cache=False`` and ``return_dict=False``, and its own ``lm_head`` separately. Attention goes through the
 split op (see ``piecegraph.hf.attention``), so the graph splits into ``num_layers + 1`` pieces.
+
+Wrapping changes exactly this on the model, and :func:`unwrap` (``HFDecoder.unwrap()``, the end of a ``with``
+block) undoes it:
+
+- each attention module's ``config`` becomes a view of the same config naming ``"piecegraph"`` (the model's
+  config, its sub-configs and ``config.to_dict()`` are never changed); unwrap gives the modules their config back;
+- modules in training mode are put in eval mode; unwrap puts them back in training mode;
+- a private attribute on the model (``_piecegraph_hf``) records the above; unwrap removes it;
+- ``"piecegraph"`` is registered in transformers' ``AttentionInterface`` while any model is wrapped.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import torch
 
+import piecegraph.hf.attention as hf_attention
 from piecegraph.hf.arch import cache_config, check_supported, layer_constants, model_type
-from piecegraph.hf.attention import FLAT, NAME, install
+from piecegraph.hf.attention import FLAT, is_view
+
+_STATE = "_piecegraph_hf"  # the attribute of a wrapped Hugging Face model holding its _Wrap
 
 
 def is_hf_model(model: Any) -> bool:
@@ -28,29 +41,84 @@ def is_hf_model(model: Any) -> bool:
         return False
 
 
+class _Wrap:
+    """What wrapping changed on one Hugging Face model, to undo exactly: the attention modules given a config view
+    (with their own configs) and the modules it switched from training to eval mode. Shared by every
+    :class:`HFDecoder` of the model until :func:`unwrap` removes it."""
+
+    def __init__(self) -> None:
+        self.configs: list[tuple[torch.nn.Module, Any]] = []
+        self.trained: list[torch.nn.Module] = []
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Switch ``model``'s attention modules to piecegraph's and the model to eval mode (idempotent)."""
+        self.configs += hf_attention.install(model)
+        seen = {id(m) for m in self.trained}
+        self.trained += [m for m in model.modules() if m.training and id(m) not in seen]
+        model.eval()
+
+    def __setstate__(self, state: dict) -> None:  # a copied or unpickled model is wrapped too: keep "piecegraph"
+        self.__dict__.update(state)
+        hf_attention.acquire(self)
+
+    def undo(self) -> None:
+        hf_attention.restore(self.configs)
+        for module in self.trained:
+            module.training = True  # the flag only: a child that was in eval mode stays there
+
+    def broken(self) -> str | None:
+        """The first attention module whose config view was replaced since the wrap, if any."""
+        return next((type(m).__name__ for m, _ in self.configs if not is_view(m.config)), None)
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    """Give a Hugging Face model back as it was before piecegraph wrapped it; returns it.
+
+    ``model``: the Hugging Face model, its :class:`HFDecoder`, or a ``GraphedModule`` of one
+    (``piecegraph.compile(hf_model)``). Undoes every change wrapping made (see the module docstring), whichever
+    wrapper made it; every :class:`HFDecoder` of the model refuses its forward from then on (wrap it again:
+    ``HFDecoder(model)``). Idempotent: a model that is not wrapped is returned as it is. A ``GraphedModule`` or
+    ``Session`` already traced keeps what it traced (piecegraph's attention, still exact): drop it as well.
+    """
+    if isinstance(getattr(model, "model", None), HFDecoder):  # a GraphedModule of an HFDecoder
+        model = model.model
+    if isinstance(model, HFDecoder):
+        model = model.hf
+    state = model.__dict__.pop(_STATE, None)
+    if state is not None:
+        state.undo()
+        hf_attention.release(state)
+    return model
+
+
 class HFDecoder(torch.nn.Module):
     """A Hugging Face causal LM over flat tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
 
     Constraints: a decoder of :data:`piecegraph.hf.arch.SUPPORTED` (else :class:`UnsupportedModelError` naming
     its model_type), in eval mode (the wrapper puts it there), called inside ``piecegraph.forward_context`` of
-    :class:`~piecegraph.models.AttentionMetadata` on a :class:`~piecegraph.models.KVCache` built from
+    :class:`~piecegraph.attention.AttentionMetadata` on a :class:`~piecegraph.attention.KVCache` built from
     :attr:`config` (``KVCache.for_sequences(wrapped.config, ...)``). ``config`` is a
     :class:`~piecegraph.models.ModelConfig` of the cache shape (what ``piecegraph.models.generate``, ``KVCache``
     and the bench read); the model's own config is ``hf_config``. :meth:`logits` applies ``lm_head`` (and a final
     logit softcap, Gemma 2) to the rows given, usually each sequence's last token.
 
-    Wrapping switches the model's attention implementation to ``"piecegraph"``, which serves the model's own
-    forward and ``generate`` with the implementation it had before, so those keep giving what they gave.
+    While wrapped, the model's own forward, ``generate`` and ``generate_batch`` (continuous batching) run as they
+    did: its config is unchanged, and its attention modules' ``"piecegraph"`` function calls whatever
+    implementation the config names (``set_attn_implementation`` included). :meth:`unwrap` (or
+    :func:`piecegraph.hf.unwrap`) undoes the wrap; then this wrapper's forward refuses. Wrapping a model wrapped
+    already joins that wrap (:attr:`owns_wrap` is False): :meth:`close` and the end of a ``with`` block unwrap only
+    a wrap this wrapper made, leaving the model as they found it.
 
     Example::
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model = HFDecoder(hf)
-        cache = KVCache.for_sequences(model.config, num_seqs=2, max_len=64)
-        meta = AttentionMetadata.for_batch(cache, [("a", 0, 3)])
-        with piecegraph.forward_context(meta):
-            hidden = model(torch.tensor([5, 6, 7]), meta.positions)
-        next_token = model.logits(hidden[-1:]).argmax(-1)
+        with HFDecoder(hf) as model:
+            cache = KVCache.for_sequences(model.config, num_seqs=2, max_len=64)
+            meta = AttentionMetadata.for_batch(cache, [("a", 0, 3)])
+            with piecegraph.forward_context(meta):
+                hidden = model(torch.tensor([5, 6, 7]), meta.positions)
+            next_token = model.logits(hidden[-1:]).argmax(-1)
+        # hf is as it was: its training flags, its attention modules' configs
     """
 
     def __init__(self, model: torch.nn.Module, max_seq_len: int | None = None,
@@ -61,8 +129,15 @@ class HFDecoder(torch.nn.Module):
         if getattr(model, "model", None) is None or not hasattr(model, "lm_head"):
             raise TypeError(f"{type(model).__name__} is not a *ForCausalLM with .model and .lm_head: pass the "
                             "causal LM (AutoModelForCausalLM), not its base model")
-        model.eval()
-        install(model)
+        state = getattr(model, _STATE, None)
+        #: True when this wrapper wrapped the model; False when it joined a wrap made before (close() keeps that).
+        self.owns_wrap = state is None
+        if state is None:
+            state = _Wrap()
+            hf_attention.acquire(state)  # registered before any module names "piecegraph"
+            setattr(model, _STATE, state)
+        state.apply(model)
+        self._wrap = state
         self.hf = model
         self.hf_config = model.config
         self.config = cache_config(model.config, max_seq_len, attention_backend)
@@ -81,11 +156,41 @@ class HFDecoder(torch.nn.Module):
     def model_type(self) -> str:
         return model_type(self.hf_config)
 
+    @property
+    def wrapped(self) -> bool:
+        """Whether the model is still wrapped by this wrapper's wrap (False after :meth:`unwrap`)."""
+        return getattr(self.hf, _STATE, None) is self._wrap
+
+    def unwrap(self) -> torch.nn.Module:
+        """Undo the wrap (whichever wrapper made it) and return the Hugging Face model as it was before: see
+        :func:`piecegraph.hf.unwrap`. Idempotent. This wrapper's forward refuses from then on."""
+        if getattr(self, "tp", None) is not None:
+            warnings.warn("piecegraph.hf: unwrapping a model piecegraph.parallel.apply_tp sharded in place: its "
+                          "attention and modes are restored, its sharded layers are not (Hugging Face's own forward "
+                          "would compute this rank's shard only)", stacklevel=2)
+        return unwrap(self.hf)
+
+    def close(self) -> None:
+        """Unwrap when this wrapper made the wrap (:attr:`owns_wrap`); leave a wrap it joined to its maker."""
+        if self.owns_wrap:
+            self.unwrap()
+
+    def __enter__(self) -> "HFDecoder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.hf.config._attn_implementation != NAME:  # switched back since the wrap: HF's would attend wrong
-            raise RuntimeError(f"the model's attention implementation is now "
-                               f"{self.hf.config._attn_implementation!r}, not {NAME!r}: wrap it again "
-                               "(piecegraph.hf.HFDecoder(model)) after set_attn_implementation")
+        if not self.wrapped:  # Hugging Face's own attention again: it would attend the placeholder mask, wrongly
+            raise RuntimeError(
+                f"this piecegraph.hf.HFDecoder's {type(self.hf).__name__} was unwrapped (unwrap(), or the end of "
+                "its `with` block): its attention is Hugging Face's own again. Wrap it again to run it flat: "
+                "piecegraph.hf.HFDecoder(model) or piecegraph.compile(model)")
+        broken = self._wrap.broken()
+        if broken is not None:
+            raise RuntimeError(f"the config of the model's {broken} was replaced since the wrap: its attention is "
+                               "no longer piecegraph's. Unwrap it (piecegraph.hf.unwrap(model)) and wrap it again")
         # A 4D mask makes Hugging Face's mask builders return it as is: no [T, T] mask is built (attention is
         # paged and causal in the op, which ignores it).
         no_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
