@@ -78,6 +78,13 @@ class Config:
             Tensors whose dim ``token_dim`` differs from the first tensor argument's are found by themselves.
         pool: a :class:`piecegraph.GraphPool` to share with other compiled models (their captures then reuse
             each other's freed memory; they must not replay at the same time); ``None`` makes a private one.
+        compile_sizes: capture sizes that also get pieces compiled by Inductor for that static token count (as
+            vLLM's ``compile_sizes``): Inductor's code for a symbolic count can be several times slower than
+            code for one size. The one dynamic compile still serves every other size and every call without a
+            graph. ``"auto"``: every capture size, each piece's static code kept only where it ran at least 5%
+            faster than the dynamic code when timed at the size's warm-up (CUDA; programs that write an input
+            keep the static code untimed). Each size costs one more Inductor compile of every distinct piece
+            (``stats()["static_compile_s"]``). Default ``()``: none.
     """
 
     mode: str = "piecewise"
@@ -96,6 +103,7 @@ class Config:
     token_mixing: str = "exact"
     static_inputs: tuple[str, ...] = ()
     pool: Any = field(default=None, compare=False)
+    compile_sizes: tuple[int, ...] | str = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -124,6 +132,7 @@ class Config:
         object.__setattr__(self, "split_ops", _split_ops(self.split_ops))
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
+        object.__setattr__(self, "compile_sizes", _compile_sizes(self.compile_sizes, self.sizes))
         if self.pool is not None and not hasattr(self.pool, "acquire"):
             raise TypeError(
                 f"pool={describe(self.pool)} must be a piecegraph.GraphPool (a raw torch.cuda.graph_pool_handle() "
@@ -134,6 +143,11 @@ class Config:
     def sizes(self) -> tuple[int, ...]:
         """The capture sizes, ascending."""
         return self.capture_sizes or default_capture_sizes(self.max_tokens)
+
+    @property
+    def static_compile_sizes(self) -> tuple[int, ...]:
+        """The sizes that get a static compile (``compile_sizes``, with ``"auto"`` meaning every capture size)."""
+        return self.sizes if self.compile_sizes == "auto" else self.compile_sizes
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -162,6 +176,21 @@ def _check_int(name: str, value: Any, low: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         extra = f" ({hint})" if hint else ""
         raise ValueError(f"{name}={describe(value)} must be an int >= {low}{extra}")
+
+
+def _compile_sizes(sizes: Any, capture: tuple[int, ...]) -> tuple[int, ...] | str:
+    # Static code runs only where a size is warmed up and captured, so a size that is never captured is a typo.
+    if sizes == "auto":
+        return "auto"
+    if isinstance(sizes, (int, str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"compile_sizes={describe(sizes)} must be a list of capture sizes, e.g. compile_sizes=(256,),"
+                         " or 'auto' (every capture size, kept where it measures faster)")
+    values = tuple(sorted(set(sizes)))
+    stray = [s for s in values if s not in capture]
+    if stray:
+        raise ValueError(f"compile_sizes={describe(sizes)}: {stray} not among the capture sizes {capture}; static "
+                         "code only runs for captured sizes. Add them to capture_sizes or drop them")
+    return values
 
 
 def _capture_sizes(sizes: Any) -> tuple[int, ...]:

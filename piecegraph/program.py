@@ -98,6 +98,7 @@ class Program:
     caller_inputs: list[int] = field(default_factory=list)  # the caller's tensors (not module state)
     token_mixing: list[Any] = field(default_factory=list)  # ops that make padding unsafe (trace/mixing.py)
     mutated_inputs: list[int] = field(default_factory=list)  # inputs the program writes in place
+    static_compile_s: float = 0.0  # seconds of the extra static compiles (Config.compile_sizes)
     # Programs over an eager model (breakable) whose buffers are not inputs: keeps them across extra runs.
     keep_state: Callable[[], ContextManager[None]] | None = None
 

@@ -175,5 +175,19 @@ class FlatRunner:
             "moved_inputs": self.state.moved_inputs,
             "dropped_sizes": dict(self.table.dropped),
             "token_mixing": [str(op) for op in self.program.token_mixing],
+            "static_compile_s": self.program.static_compile_s,
+            "static_sizes": _static_choices(self.program.pieces),
         }
+
+
+def _static_choices(pieces: Sequence[Any]) -> dict[int, dict[str, Any]]:
+    """Per size with static code (Config.compile_sizes): how many pieces captured it, and the timings."""
+    out: dict[int, dict[str, Any]] = {}
+    for piece in pieces:
+        for size, choice in getattr(piece, "choice", {}).items():
+            entry = out.setdefault(size, {"static": 0, "dynamic": 0, "ms": {}})
+            entry[choice] += 1
+            if size in piece.timings:
+                entry["ms"][piece.name] = piece.timings[size]
+    return dict(sorted(out.items()))
 

@@ -5,7 +5,8 @@
 # pick a subset to split the work over several calls). "serve" runs the serving benchmark (serve-bench) at
 # concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. "hf-bench"
 # times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights).
-# "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# "static-bench" times piecewise with and without static compiles per size (compile_sizes="auto") beside
+# baked-graph on the 0.5B shape. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -95,6 +96,12 @@ if has hf-bench; then  # the transformers model itself beside the reference deco
     [ $? = 0 ] || status=1
     tail -40 "$OUT/hf_bench.log"
   done
+fi
+if has static-bench; then  # static compiles per size (compile_sizes="auto") beside piecewise and the baked lower bound
+  python3 -m piecegraph.cli bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
+    --modes piecewise,piecewise-static,baked-graph --batches "${BATCHES:-1,256}" --prefill "${PREFILL:-16,128,512}" \
+    --json "$OUT/static_bench.json" 2>&1 | tee "$OUT/static_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \

@@ -6,6 +6,7 @@
 | full | piecegraph ``mode="full"``, ``compiler="eager"``: the traced ops, whole graph captured (decode only) |
 | full-compiled | piecegraph ``mode="full"``, Inductor: the best case for decode |
 | piecewise | piecegraph ``mode="piecewise"``, Inductor: graphs between attention calls, attention eager |
+| piecewise-static | piecewise, ``compile_sizes="auto"``: each size also compiled static, kept where it ran faster |
 | breakable | piecegraph ``mode="breakable"``: eager forward captured in segments, no Dynamo (when it exists) |
 | none | piecegraph ``mode="none"``: compiled pieces, no graphs (the CPU mode) |
 | torch.compile | ``torch.compile(model)``, default mode |
@@ -36,12 +37,12 @@ from piecegraph.bench.baked import BakedGraph
 from piecegraph.bench.harness import sync
 
 # Slowest to compile last: a sweep cut short by a time limit loses the baselines, not piecegraph's modes.
-GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "breakable", "meta-pcg", "torch.compile", "reduce-overhead",
-             "graph-partition", "baked-graph")
+GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "piecewise-static", "breakable", "meta-pcg",
+             "torch.compile", "reduce-overhead", "graph-partition", "baked-graph")
 CPU_MODES = ("eager", "none")
 KNOWN_MODES = GPU_MODES + ("none",)
-_GRAPHED = ("full", "full-compiled", "piecewise", "breakable", "meta-pcg", "reduce-overhead", "graph-partition",
-            "baked-graph")
+_GRAPHED = ("full", "full-compiled", "piecewise", "piecewise-static", "breakable", "meta-pcg", "reduce-overhead",
+            "graph-partition", "baked-graph")
 
 FULL_PREFILL = ("a full graph captures pure decode steps only (token-aligned metadata); a varlen prefill's layout "
                 "is host metadata, so it needs piecewise (piecegraph rejects it)")
@@ -136,9 +137,9 @@ def _graph_partition(model: torch.nn.Module) -> Prepared:
 
 
 def _graphed(model: torch.nn.Module, mode: str, compiler: str, sizes: Sequence[int],
-             make_inputs: Callable[[int], Any]) -> tuple[Any, float]:
+             make_inputs: Callable[[int], Any], **options: Any) -> tuple[Any, float]:
     """A GraphedModule with every size in ``sizes`` traced, compiled and captured now; returns it and seconds."""
-    kwargs: dict[str, Any] = {"mode": mode, "capture_sizes": tuple(sizes)}
+    kwargs: dict[str, Any] = {"mode": mode, "capture_sizes": tuple(sizes), **options}
     if mode != "breakable":
         kwargs["compiler"] = compiler
     sync()
@@ -165,6 +166,9 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
         return Prepared(name, graphed, seconds, graphed.stats, prefill_skip=FULL_PREFILL)
     if name in ("piecewise", "none", "breakable"):
         graphed, seconds = _graphed(model, name, "inductor", every, make_inputs)
+        return Prepared(name, graphed, seconds, graphed.stats)
+    if name == "piecewise-static":
+        graphed, seconds = _graphed(model, "piecewise", "inductor", every, make_inputs, compile_sizes="auto")
         return Prepared(name, graphed, seconds, graphed.stats)
     if name == "torch.compile":
         return Prepared(name, torch.compile(model), warm_calls=2)

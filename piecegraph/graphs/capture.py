@@ -31,6 +31,7 @@ class CapturedPiece:
     tensor_idx: tuple[int, ...]
     ptrs: tuple[int, ...]
     outputs: Any
+    fn: Callable[..., Any] | None = None  # what was captured (the size's static compile or the dynamic one)
     warned: set[int] = field(default_factory=set)
 
 
@@ -63,15 +64,23 @@ class GraphedPiece:
     """A compiled piece with one captured graph per size.
 
     ``fn`` must be compiled for a symbolic token count (or be the traced FX module); it is called with the
-    piece's arguments. In ``REPLAY`` the arguments must live where they lived at capture; those that moved are
-    copied into the captured buffers (with a warning) when ``state.check_addresses``, else read stale.
+    piece's arguments. ``static`` maps sizes to the piece compiled for that token count (``compile_sizes``):
+    warm-up and capture of such a size use it, unless ``measure`` (``compile_sizes="auto"``) timed both on the
+    GPU at warm-up and the dynamic code was not slower. Runs without graphs always use ``fn``. In ``REPLAY`` the
+    arguments must live where they lived at capture; those that moved are copied into the captured buffers (with
+    a warning) when ``state.check_addresses``, else read stale.
     """
 
-    def __init__(self, name: str, fn: Callable[..., Any], state: CaptureState):
+    def __init__(self, name: str, fn: Callable[..., Any], state: CaptureState,
+                 static: dict[int, Callable[..., Any]] | None = None, measure: bool = False):
         self.name = name
         self.fn = fn
         self.state = state
         self.captured: dict[int, CapturedPiece] = {}
+        self.static = dict(static or {})
+        self.measure = measure
+        self.choice: dict[int, str] = {}  # size -> "static" | "dynamic", fixed at the size's first warm-up
+        self.timings: dict[int, tuple[float, float]] = {}  # size -> (static ms, dynamic ms), when measured
 
     def __call__(self, *args: Any) -> Any:
         phase = self.state.phase
@@ -79,7 +88,26 @@ class GraphedPiece:
             return self._replay(self.captured[self.state.size], args)
         if phase is Phase.CAPTURE:
             return self._capture(args)
+        if phase is Phase.WARMUP:
+            return self._for_size(args)(*args)
         return self.fn(*args)
+
+    def _for_size(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """The code this size warms up and captures: its static compile, if it has one and it won."""
+        size = self.state.size
+        if size not in self.static:
+            return self.fn
+        if size not in self.choice:
+            self.choice[size] = self._pick(size, args)
+        return self.static[size] if self.choice[size] == "static" else self.fn
+
+    def _pick(self, size: int, args: tuple[Any, ...]) -> str:
+        if not self.measure or self.state.emulate or not torch.cuda.is_available():
+            return "static"
+        static_ms, dynamic_ms = median_ms(self.static[size], args), median_ms(self.fn, args)
+        self.timings[size] = (static_ms, dynamic_ms)
+        # Keep the dynamic code on a near tie: its kernels are shared by every size (fewer to warm, less memory).
+        return "static" if static_ms < 0.95 * dynamic_ms else "dynamic"
 
     def drop(self) -> None:
         """Forget every captured graph (their pool memory returns to the pool's owner)."""
@@ -87,24 +115,25 @@ class GraphedPiece:
 
     def _capture(self, args: tuple[Any, ...]) -> Any:
         state = self.state
+        fn = self._for_size(args)
         tensor_idx = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         if state.emulate:
-            out = self.fn(*args)
+            out = fn(*args)
             # Views pin the captured memory like a graph does, even if an argument is later re-pointed.
             inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            entry = CapturedPiece(None, inputs, tensor_idx, _ptrs(args, tensor_idx), out)
+            entry = CapturedPiece(None, inputs, tensor_idx, _ptrs(args, tensor_idx), out, fn)
         else:
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=state.pool, stream=state.stream):
-                    out = self.fn(*args)
+                    out = fn(*args)
             except Exception:
                 repair_rng_after_failed_capture()
                 raise
             graph.replay()  # capture records without running: make this call's outputs real
             inputs = [weak_alias(a) if isinstance(a, torch.Tensor) else a for a in args]
             entry = CapturedPiece(
-                graph, inputs, tensor_idx, _ptrs(args, tensor_idx), tree_map_only(torch.Tensor, weak_alias, out)
+                graph, inputs, tensor_idx, _ptrs(args, tensor_idx), tree_map_only(torch.Tensor, weak_alias, out), fn
             )
         self.captured[state.size] = entry
         return out
@@ -115,7 +144,7 @@ class GraphedPiece:
         if entry.graph is not None:
             entry.graph.replay()
             return entry.outputs
-        fresh = self.fn(*entry.inputs)
+        fresh = (entry.fn or self.fn)(*entry.inputs)
         copy_into(entry.outputs, fresh)
         return entry.outputs
 
@@ -134,6 +163,21 @@ class GraphedPiece:
                 )
             entry.inputs[i].copy_(args[i])
         self.state.moved_inputs += 1
+
+
+def median_ms(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int = 5) -> float:
+    """Median GPU milliseconds of ``fn(*args)`` over ``repeats`` runs after one warm run (CUDA events). Only
+    for pieces that write none of their inputs: each run repeats the piece's work on the same arguments."""
+    fn(*args)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def _ptrs(args: Any, idx: tuple[int, ...]) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from ..program import CaptureState, InputKind, PieceInfo, Program
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
 from .split import split_graph
+from .static import compile_static, returns_one_value
 
 log = logging.getLogger("piecegraph")
 
@@ -152,17 +153,27 @@ def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: st
 
 
 def _compile_pieces(
-    split_gm: torch.fx.GraphModule, infos: list[PieceInfo], fake_args: list[Any], fake_mode: Any, config: Config
-) -> dict[str, Callable[..., Any]]:
-    """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs."""
+    split_gm: torch.fx.GraphModule, infos: list[PieceInfo], fake_args: list[Any], fake_mode: Any, config: Config,
+    token_symbols: Any,
+) -> tuple[dict[str, Callable[..., Any]], dict[str, dict[int, Callable[..., Any]]], float]:
+    """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs, and
+    again per static compile size (``{piece: {size: fn}}``, with the seconds those took)."""
     wanted = {info.name for info in infos if not info.is_split and info.num_ops > 0}
+    sizes = _static_sizes(config, token_symbols)
     compiled: dict[str, Callable[..., Any]] = {}
+    static: dict[str, dict[int, Callable[..., Any]]] = {}
+    seconds = [0.0]
 
     class _Compiler(torch.fx.Interpreter):
         def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
             if target in wanted:
                 log.debug("piecegraph: compiling %s", target)
-                compiled[target] = _compile_piece(getattr(split_gm, target), list(args), config.compiler)
+                sub = getattr(split_gm, target)
+                single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
+                compiled[target] = _compile_piece(sub, list(args), config.compiler)
+                if sizes:
+                    static[target], took = compile_static(sub, list(args), token_symbols, sizes, target, single)
+                    seconds[0] += took
             return super().call_module(target, args, kwargs)
 
     # Under the Python dispatcher, as Dynamo and AOTAutograd run graphs on fakes: without it a C++ composite
@@ -170,7 +181,14 @@ def _compile_pieces(
     # specialises the token count and fails the trace with a ConstraintViolationError.
     with fake_mode, enable_python_dispatcher():
         _Compiler(split_gm).run(*fake_args)
-    return compiled
+    return compiled, static, seconds[0]
+
+
+def _static_sizes(config: Config, token_symbols: Any) -> tuple[int, ...]:
+    """The sizes that get a static compile: none for a static trace (it is one already) or the eager compiler."""
+    if not token_symbols or config.compiler != "inductor":
+        return ()
+    return config.static_compile_sizes
 
 
 def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config) -> Program:
@@ -196,22 +214,30 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)
     mixing = _token_mixing(gm, sym, config)
     state = CaptureState.for_config(config)
+    written = mutated_inputs(gm)
+    # Measuring runs a piece several times on the same arguments: only for programs that write no input.
+    measure = config.compile_sizes == "auto" and not written
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
+        single = returns_one_value(gm)
         with fake_mode:
             fn = _compile_piece(gm, fake_args, config.compiler)
-        pieces = [GraphedPiece("graph", fn, state)]
+        sizes = _static_sizes(config, sym)
+        static, static_s = compile_static(gm, fake_args, sym, sizes, "graph", single) if sizes else ({}, 0.0)
+        pieces = [GraphedPiece("graph", fn, state, static, measure)]
         call = pieces[0]
     else:
         split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
-        compiled = _compile_pieces(split_gm, infos, fake_args, fake_mode, config)
+        compiled, statics, static_s = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, sym)
         pieces = []
         for info in infos:
             if info.name in compiled:
-                piece = GraphedPiece(info.name, compiled[info.name], state)
+                piece = GraphedPiece(info.name, compiled[info.name], state, statics.get(info.name), measure)
                 split_gm.__dict__[info.name] = piece  # the generated forward looks submodules up by attribute
                 pieces.append(piece)
         call = split_gm
+    if static_s:
+        log.info("piecegraph: static compiles for sizes %s took %.1f s", _static_sizes(config, sym), static_s)
     return Program(
         call=call,
         state=state,
@@ -223,7 +249,8 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         names=names,
         caller_inputs=caller,
         token_mixing=mixing,
-        mutated_inputs=mutated_inputs(gm),
+        mutated_inputs=written,
+        static_compile_s=static_s,
     )
 
 
