@@ -12,35 +12,44 @@ import torch
 
 from .binding import scratch_arguments
 from .config import Config
-from .graphs.fallback import Advisor, fallback_warning
+from .graphs.fallback import Advisor, TraceFixes, fallback_warning, wrapped_warning
 
 log = logging.getLogger("piecegraph")
 
 
 def setup_auto(model: torch.nn.Module, values: dict[str, Any], config: Config, advisor: Advisor,
                try_trace: Callable[[dict[str, Any], Config, float | None], Exception | None],
-               setup_breakable: Callable[..., None]) -> None:
+               setup_breakable: Callable[..., None]) -> TraceFixes | None:
     """Set the module up for ``values`` under auto's policy. ``try_trace(values, config, verify_sizes)`` traces
     piecewise and returns the error (the module reset) or None; ``setup_breakable(values, config, graphs=)``
-    falls back. The advisor's runs get copies of the arguments."""
+    falls back. The advisor's runs get copies of the arguments. Returns what the advisor's fixes did (None: the
+    model traced as it was)."""
     piecewise = config.replace(mode="piecewise", verify=bool(config.verify))
     verify_sizes = 1 if config.verify is None else None  # auto checks its first capture by default
     error = try_trace(values, piecewise, verify_sizes)
-    fixes: list[str] = []
+    fixed = None
     summary = ""
     if error is not None:
-        fixes, summary = advisor.apply_fixes(model, scratch_arguments(values))
-        if fixes:
+        fixed = advisor.fix_trace(model, scratch_arguments(values), config)  # automatic opaque included
+        summary = fixed.summary
+        if fixed.fixes:
             error = try_trace(values, piecewise, verify_sizes)
-            summary = ""  # the blockers the fixes left are the ones to name
+            summary = fixed.remaining  # the blockers the fixes left are the ones to name
     if error is None:
-        if fixes:
-            log.info("piecegraph auto: piecewise after applying %s", ", ".join(fixes))
-        return
+        if fixed is not None and fixed.wrapped:
+            warnings.warn(wrapped_warning(fixed.wrapped, "piecewise"), stacklevel=5)
+        elif fixed is not None and fixed.fixes:
+            log.info("piecegraph auto: piecewise after applying %s", ", ".join(fixed.fixes))
+        return fixed
+    if fixed is not None:
+        fixed.release()  # the eager fallback does not need the wrapped functions routed
     on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
     # Breakable capture cannot see token-mixing ops (there is no trace): verify each size against the unpadded
     # run unless the caller said otherwise.
     verify = True if config.verify is None else config.verify
     setup_breakable(values, piecewise.replace(mode="breakable", verify=verify), graphs=on_cuda)
     summary = summary or advisor.summarize(model, scratch_arguments(values), error)
-    warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager"), stacklevel=5)
+    fixes, refused = (fixed.fixes, fixed.refused) if fixed is not None else ([], {})
+    warnings.warn(fallback_warning(summary, fixes, "breakable CUDA graphs" if on_cuda else "eager", refused),
+                  stacklevel=5)
+    return None

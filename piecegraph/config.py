@@ -85,6 +85,14 @@ class Config:
             faster than the dynamic code when timed at the size's warm-up (CUDA; programs that write an input
             keep the static code untimed). Each size costs one more Inductor compile of every distinct piece
             (``stats()["static_compile_s"]``). Default ``()``: none.
+        auto_opaque: when the trace breaks inside an installed library, wrap each public function of it the model
+            called (decorators seen through) as an opaque op, its fake inferred by running it at three token
+            counts on the arguments prewarm saw and checked at two more, route the model's calls through it, and
+            trace again (a function whose output shapes depend on data, or whose fake does not check, is left
+            alone, with the reason). One warning and ``stats()["auto_opaque"]`` give each wrapped function's
+            ``piecegraph.opaque(...)`` line. ``None`` (default): on in ``mode="auto"`` only; ``True``: in
+            ``piecewise``/``full`` too; ``False``: never. Undone by ``piecegraph.unfreeze()`` or when the module
+            is released.
     """
 
     mode: str = "piecewise"
@@ -104,6 +112,7 @@ class Config:
     static_inputs: tuple[str, ...] = ()
     pool: Any = field(default=None, compare=False)
     compile_sizes: tuple[int, ...] | str = ()
+    auto_opaque: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -116,8 +125,9 @@ class Config:
         for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={describe(getattr(self, name))} must be True or False")
-        if self.verify is not None and not isinstance(self.verify, bool):
-            raise ValueError(f"verify={describe(self.verify)} must be True, False or None")
+        for name in ("verify", "auto_opaque"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={describe(getattr(self, name))} must be True, False or None")
         tol = self.verify_tol
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
                                 or tol < 0):

@@ -7,6 +7,7 @@ import copy
 import inspect
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -15,7 +16,7 @@ from .auto import setup_auto
 from .binding import Binding, arguments_by_name, scratch_arguments, static_suspect
 from .build import breakable_model, static_from_mismatch, trace_model
 from .config import Config
-from .graphs.fallback import Advisor, NoAdvice
+from .graphs.fallback import Advisor, NoAdvice, TraceFixes, trace_or_explain
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
 from .program import TokenCountMismatch, check_token_dim, describe, kept_buffers, token_arguments
@@ -62,6 +63,7 @@ class GraphedModule(torch.nn.Module):
         self._binding: Binding | None = None  # None: calls go through Dynamo (or the eager model)
         self._traced_counts: dict[str, int] = {}  # each tensor argument's dim token_dim at the trace
         self._weights = WeightWatch(model)
+        self._trace_fixes: TraceFixes | None = None  # what automatic opaque wrapped (routes undone on release)
 
     def __deepcopy__(self, memo: dict) -> GraphedModule:
         """A copy of the model, compiled anew on its first call (compiled code and graphs are not copied)."""
@@ -146,9 +148,17 @@ class GraphedModule(torch.nn.Module):
                 verify = True if self.config.verify is None else self.config.verify
                 self._setup_breakable(values, self.config.replace(verify=verify))
             elif mode == "auto":
-                setup_auto(self.model, values, self.config, self._advisor, self._try_trace, self._setup_breakable)
-            else:
-                self._trace(values, self.config)
+                self._keep_fixes(setup_auto(self.model, values, self.config, self._advisor, self._try_trace,
+                                            self._setup_breakable))
+            else:  # Dynamo's failure: automatic opaque when Config says, else piecegraph's error naming the fix
+                self._keep_fixes(trace_or_explain(self.model, lambda: scratch_arguments(values), self.config,
+                                                  self._advisor, lambda: self._try_trace(values, self.config, None)))
+
+    def _keep_fixes(self, fixed: TraceFixes | None) -> None:
+        """Keep what automatic opaque wrapped (for stats()); its routes are undone when this module is released."""
+        if fixed is not None and fixed.wrapped:
+            self._trace_fixes = fixed
+            weakref.finalize(self, fixed.release)
 
     def _trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None = None) -> None:
         """Trace with Dynamo once (:func:`~piecegraph.build.trace_model`) and bind; a tensor the trace shows is not
@@ -230,6 +240,8 @@ class GraphedModule(torch.nn.Module):
         """``sizes``, ``pieces``, ``capture_s`` per size, ``pool_bytes``, ``replays``, ``fallbacks`` and more."""
         stats = self.runner.stats()
         stats["recompiles"] = len(self._runners) - 1
+        if self._trace_fixes is not None:  # each function automatic opaque wrapped: its piecegraph.opaque line
+            stats["auto_opaque"] = dict(self._trace_fixes.wrapped)
         return stats
 
 

@@ -4,7 +4,9 @@ Definitions (those of the issue):
   * ``package``: top-level package of the innermost frame outside Python's standard library and torch (the
     code that called the primitive), or ``"user"`` for the model's own code (its modules are ``user_tops``)
     and code never imported as a module;
-  * ``entry``: the first frame of that package called from outside it (the public function the user called);
+  * ``entry``: the public function the model's code called: the object behind the outermost frame of that
+    package, decorators seen through (``flashinfer.bmm_fp8``, never ``flashinfer.utils.wrapper``; see
+    :mod:`piecegraph.diagnose.entry`), else that frame's function;
   * ``loader``: the nearest ``functools.cache``/``lru_cache`` function on the stack, warm when its cache holds
     entries (warming up cannot help: Dynamo traces through the cache);
   * ``primitive``: what Dynamo could not trace, read from its reason (``posix.stat``), prefixed by the first
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
+from piecegraph.diagnose.entry import Entry, find_entry
 from piecegraph.diagnose.index import CodeIndex, Located, is_stdlib, top_level
 from piecegraph.diagnose.trace import BreakRecord, Frame
 
@@ -46,7 +49,9 @@ class Finding:
     hard: bool = False
     group: int = 0
     # not in the JSON: what the fixer needs
-    entry_fn: Optional[Located] = field(default=None, repr=False)
+    entry_ref: Optional[Entry] = field(default=None, repr=False)  # a library entry: the object the model called
+    more_entries: list = field(default_factory=list, repr=False)  # entries of other stacks that broke here too
+    entry_fn: Optional[Located] = field(default=None, repr=False)  # a user finding: the function holding it
     loader_fn: Optional[object] = field(default=None, repr=False)
     frame: Optional[Frame] = field(default=None, repr=False)  # where the entry is called (or the location)
 
@@ -162,20 +167,14 @@ def _innermost_own(fr: _Frames) -> int:
     return len(fr.frames) - 1
 
 
-def _entry_index(fr: _Frames, at: int) -> int:
-    """First frame of the run of ``packages[at]`` frames that ends at ``at``."""
-    i = at
-    while i > 0 and fr.packages[i - 1] == fr.packages[at]:
-        i -= 1
-    return i
+def _outermost(fr: _Frames, package: str) -> int:
+    """Index of the outermost frame of ``package`` (the entry: where the model's code called into it)."""
+    return next(i for i, p in enumerate(fr.packages) if p == package)
 
 
 def _public_index(fr: _Frames, start: int, at: int) -> int:
-    """The entry past forwarding wrappers: the first frame in ``start..at`` whose function is public.
-
-    A private decorator wrapper shared by many functions (FlashInfer 0.7's ``_auto_dump_wrapper``) cannot name
-    the function the user called; the frame it forwards to can.
-    """
+    """Without an entry object: the first frame in ``start..at`` whose function is public (a private decorator
+    wrapper shared by many functions, FlashInfer 0.7's ``_auto_dump_wrapper``, cannot name the function)."""
     for i in range(start, at + 1):
         if not fr.frames[i].name.startswith("_"):
             return i
@@ -199,8 +198,21 @@ def _primitive(record: BreakRecord, fr: _Frames, at: int) -> str:
     return outer if inner == outer else f"{outer} ({inner})"
 
 
-def attribute_one(record: BreakRecord, index: CodeIndex, user_tops: set[str], kind: str = "trace") -> Finding:
-    """A :class:`Finding` (without count, fix and group) for one break record."""
+def _entries(record: BreakRecord, index: CodeIndex, user_tops: set[str], package: str, model: Any) -> list[Entry]:
+    """The entries of ``package`` on the record's other stacks (other callers that broke at the same place)."""
+    found = []
+    for stack in record.others:
+        fr = _split(BreakRecord(record.reason, stack), index, user_tops)
+        entry = find_entry(fr.frames, fr.packages, package, index, model) if package in fr.packages else None
+        if entry is not None and all(e.fn is not entry.fn for e in found):
+            found.append(entry)
+    return found
+
+
+def attribute_one(record: BreakRecord, index: CodeIndex, user_tops: set[str], kind: str = "trace",
+                  model: Any = None) -> Finding:
+    """A :class:`Finding` (without count, fix and group) for one break record; ``model`` resolves ``self.x``
+    lookups of the calling line."""
     fr = _split(record, index, user_tops)
     if not fr.frames:
         return Finding(kind, categorize(primitive_of(record.reason), record.reason, [], None), "user", None, None,
@@ -208,32 +220,33 @@ def attribute_one(record: BreakRecord, index: CodeIndex, user_tops: set[str], ki
     at = _innermost_own(fr)
     package = fr.packages[at] if fr.packages[at] != "stdlib" else "user"
     frame = fr.frames[at]
-    ei = _entry_index(fr, at)
-    pi = _public_index(fr, ei, at)
-    entry = fr.frames[pi] if package != "user" else frame
-    entry_fn = index.function(entry.file, entry.name, entry.line)
+    library = package != "user"
+    start = _outermost(fr, package) if library else at
+    ref = find_entry(fr.frames, fr.packages, package, index, model) if library else None
+    pi = _public_index(fr, start, at) if library else at
+    named = index.function(fr.frames[pi].file, fr.frames[pi].name, fr.frames[pi].line)
     loader = _loader(fr, index)
     primitive = _primitive(record, fr, at)
     stdlib_modules = [m or "" for m, p in zip(fr.modules, fr.packages) if p == "stdlib"]
-    call_site = fr.frames[ei - 1] if package != "user" and ei > 0 else frame
+    where = fr.frames[pi]
+    entry = ref.alias if ref else named.alias if named else f"{fr.modules[pi] or where.file}.{where.name}"
+    more = [e for e in _entries(record, index, user_tops, package, model) if ref is None or e.fn is not ref.fn] \
+        if library else []
     return Finding(
         kind=kind,
         category=categorize(primitive, record.reason, stdlib_modules, _builtin_module(record.reason)),
-        package=package,
-        entry=(entry_fn.alias if entry_fn else f"{fr.modules[pi] or entry.file}.{entry.name}"),
+        package=package, entry=entry,
         loader=loader.alias if loader else None,
         loader_warm=(loader.cache.cache_info().currsize > 0) if loader else None,
-        primitive=primitive,
-        location=frame.location,
-        reason=record.reason,
-        stack=[f"{f.location} in {f.name}" for f in fr.frames],
-        hard=record.hard,
-        entry_fn=entry_fn,
+        primitive=primitive, location=frame.location, reason=record.reason,
+        stack=[f"{f.location} in {f.name}" for f in fr.frames], hard=record.hard,
+        entry_ref=ref, more_entries=more, entry_fn=None if library else named,
         loader_fn=loader.cache if loader else None,
-        frame=call_site,
+        frame=fr.frames[start - 1] if library and start > 0 else frame,
     )
 
 
-def attribute(records: list[BreakRecord], index: CodeIndex, user_tops: set[str]) -> list[Finding]:
+def attribute(records: list[BreakRecord], index: CodeIndex, user_tops: set[str], model: Any = None
+              ) -> list[Finding]:
     """Findings for ``records``, in the order Dynamo met them."""
-    return [attribute_one(r, index, user_tops) for r in records]
+    return [attribute_one(r, index, user_tops, model=model) for r in records]

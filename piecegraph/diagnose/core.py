@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from piecegraph.diagnose.attribute import Finding, attribute
+from piecegraph.diagnose.autowrap import Wrapping, library_entries, plan_wraps
 from piecegraph.diagnose.counting import count_calls
 from piecegraph.diagnose.fixes import Applied, Fix, apply_fixes, choose_fixes, group_findings
 from piecegraph.diagnose.index import CodeIndex, top_level
@@ -65,16 +66,26 @@ def _device(model: Any, inputs: tuple, device: Optional[str]) -> str:
 
 
 class _Stage:
-    """One trace of the model and everything derived from it (findings, fixes, breaks per forward)."""
+    """One trace of the model and everything derived from it (findings, inferred fakes, fixes, breaks per forward).
 
-    def __init__(self, model: Callable, inputs: tuple, kwargs: dict, context: Any, user_tops: set[str]):
+    ``wrap``: infer fakes for the library entries that break (probing runs of the model and of each function);
+    ``token_dim``/``static``: how the model's token inputs are told (see :mod:`piecegraph.diagnose.autowrap`);
+    ``refused``: entries refused in an earlier round (name -> why): not probed again, named with the reason.
+    """
+
+    def __init__(self, model: Callable, inputs: tuple, kwargs: dict, context: Any, user_tops: set[str],
+                 wrap: bool = True, token_dim: int = 0, static: tuple = (), refused: Optional[dict] = None):
         self.result: TraceResult = trace(model, inputs, kwargs, context)
         index = CodeIndex()
         if isinstance(model, torch.nn.Module):  # classes defined inside a function are reachable only this way
             index.add_classes({type(m) for m in model.modules()})
-        self.findings: list[Finding] = attribute(self.result.breaks, index, user_tops)
-        counts = count_calls(model, inputs, kwargs, context, self.findings)
-        self.fixes: dict[int, Fix] = choose_fixes(self.findings, counts)
+        self.findings: list[Finding] = attribute(self.result.breaks, index, user_tops, model)
+        count_calls(model, inputs, kwargs, context, self.findings)
+        refused = dict(refused or {})
+        entries = [e for e in library_entries(self.findings) if e.alias not in refused] if wrap else []
+        self.wrapping: Wrapping = plan_wraps(model, inputs, kwargs, context, entries, token_dim, static)
+        self.wrapping.refused = {**refused, **self.wrapping.refused}
+        self.fixes: dict[int, Fix] = choose_fixes(self.findings, self.wrapping)
         self.findings = [f for g in group_findings(self.findings) for f in g]
 
     @property
@@ -92,10 +103,10 @@ def _capture_finding(fail: CaptureFailure) -> Finding:
                    fail.location, 1, f"# {fail.location}: {advice}", reason=f"{fail.why}\n{fail.error}")
 
 
-def _fix_rounds(first: _Stage, run: Callable[[], _Stage], applied: Applied) -> _Stage:
+def _fix_rounds(first: _Stage, run: Callable[[], _Stage], applied: Applied, model: Any) -> _Stage:
     stage = first
     for _ in range(_FIX_ROUNDS):
-        if not stage.findings or apply_fixes(stage.findings, stage.fixes, applied) == 0:
+        if not stage.findings or apply_fixes(stage.findings, stage.fixes, applied, model) == 0:
             break
         stage = run()
     return stage
@@ -108,8 +119,9 @@ def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False
     Runs the model eagerly a few times (prewarm, a profiled forward) and traces it once with Dynamo (breaks
     allowed, dim 0 dynamic); ``context`` is the forward-context metadata the model needs
     (``piecegraph.forward_context``). On CUDA each piece is then captured alone (see ``doctor.probe``).
-    ``fix=True`` applies the known fixes (FlashInfer adapter, ``opaque`` with a derived fake, ``freeze`` of
-    warm loaders) and traces again; they stay applied (``report.applied.undo()`` takes them back).
+    ``fix=True`` applies the known fixes (the FlashInfer adapter for the functions it covers, ``opaque`` with
+    the fake inferred by probing for other library functions, ``freeze`` of warm loaders) and traces again; they
+    stay applied (``report.applied.undo()`` takes them back).
     ``user_packages`` names top-level packages to treat as the user's own code besides the model's.
 
     Raises :class:`EagerFailure` when the model fails eagerly on these inputs (nothing to diagnose yet).
@@ -128,7 +140,7 @@ def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False
     stage = first = _Stage(model, inputs, kwargs, context, tops)
     if fix and first.findings:
         report.applied = Applied()
-        stage = _fix_rounds(first, lambda: _Stage(model, inputs, kwargs, context, tops), report.applied)
+        stage = _fix_rounds(first, lambda: _Stage(model, inputs, kwargs, context, tops), report.applied, model)
         report.before = {"graph_breaks": first.graph_breaks, "findings": len(first.findings)}
     report.findings = list(stage.findings)
     report.graph_breaks = stage.graph_breaks
@@ -144,38 +156,14 @@ def doctor(model: Callable, *inputs: Any, context: Any = None, fix: bool = False
     return report
 
 
-
-_SAFE_ACTIONS = ("flashinfer", "freeze")  # fixes that change no results: no derived fakes without a user's look
-
-
-def _blocker_lines(findings: list[Finding], limit: int) -> list[str]:
+def blocker_lines(findings: list[Finding], limit: int = 3) -> list[str]:
+    """One line per root cause, most findings first: package ▸ entry ▸ loader: primitive (category, location);
+    fix (its first line, and how many more)."""
     lines = []
     for group in group_findings(findings)[:limit]:
         f = group[0]
         chain = " ▸ ".join(x for x in (f.package, f.entry, f.loader) if x)
-        lines.append(f"{chain}: {f.primitive} ({f.category}, {f.location}); fix: {f.fix}")
+        fix = f.fix.splitlines() or [""]
+        more = f" (+{len(fix) - 1} more lines)" if len(fix) > 1 else ""
+        lines.append(f"{chain}: {f.primitive} ({f.category}, {f.location}); fix: {fix[0]}{more}")
     return lines
-
-
-def blocker_lines(model: Callable, inputs: tuple, kwargs: Optional[dict] = None, context: Any = None,
-                  limit: int = 3) -> list[str]:
-    """The doctor's summary of what blocks tracing: one line per root cause, most findings first.
-
-    Traces once (no capture probe, no fixes): ``mode="auto"`` names its blockers with this when it falls back.
-    """
-    stage = _Stage(model, inputs, dict(kwargs or {}), context, _user_tops(model, ()))
-    return _blocker_lines(stage.findings, limit)
-
-
-def apply_safe_fixes(model: Callable, inputs: tuple, kwargs: Optional[dict] = None, context: Any = None,
-                     limit: int = 3) -> tuple[list[str], list[str]]:
-    """``mode="auto"``'s fixes: trace once and apply the FlashInfer adapter and ``freeze`` of warm loaders.
-
-    ``opaque`` with a derived fake is left to ``piecegraph doctor --fix``, where the user sees it. Returns the
-    code of each fix applied and the blocker lines (:func:`blocker_lines`) found before applying them.
-    """
-    stage = _Stage(model, inputs, dict(kwargs or {}), context, _user_tops(model, ()))
-    safe = [f for f in stage.findings if stage.fixes[id(f)].action in _SAFE_ACTIONS]
-    applied = Applied()
-    apply_fixes(safe, stage.fixes, applied)
-    return applied.codes, _blocker_lines(stage.findings, limit)

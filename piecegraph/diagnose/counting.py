@@ -1,9 +1,8 @@
-"""How often each finding re-runs per forward, and one real call of each library entry (to derive fakes).
+"""How often each finding re-runs per forward.
 
-One eager forward under ``sys.setprofile``: every Python call is checked against the watched code (the entry
-of a library finding, called from outside its package; the function holding a user finding). Dynamo re-runs a
-break each time that code runs, warm cache or not, since it traces through ``functools.cache``. The first call's
-arguments are kept (by reference) so the fixer can run the entry once and compare shapes.
+One eager forward under ``sys.setprofile``: every Python call is checked against the watched code (the function
+a library entry decorates, or the entry itself; the function holding a user finding). Dynamo re-runs a break each
+time that code runs, warm cache or not, since it traces through ``functools.cache``.
 
 Constraint: a profile hook already installed (a profiler, a coverage tool) is suspended during this one forward.
 """
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from piecegraph.diagnose.attribute import Finding
+from piecegraph.diagnose.entry import code_of
 from piecegraph.diagnose.trace import run_under
 
 __all__ = ["CallCounts", "count_calls"]
@@ -27,17 +27,21 @@ log = logging.getLogger("piecegraph")
 
 @dataclass
 class CallCounts:
-    """Calls per watched code key ``(file, name, firstline)`` and the first call's bound arguments."""
+    """Calls per watched code key ``(file, name, firstline)``."""
 
     calls: dict[tuple, int] = field(default_factory=dict)
-    first_args: dict[tuple, dict[str, Any]] = field(default_factory=dict)
 
 
 def _key_of(finding: Finding) -> tuple | None:
-    if finding.entry_fn is not None:
+    code = None
+    if finding.entry_ref is not None:  # the decorated function: a decorator's code is shared by many
+        fn = finding.entry_ref.fn
+        while getattr(fn, "__wrapped__", None) is not None and code_of(fn.__wrapped__) is not None:
+            fn = fn.__wrapped__
+        code = code_of(fn)
+    elif finding.entry_fn is not None:
         code = finding.entry_fn.fn.__code__
-        return (os.path.realpath(code.co_filename), code.co_name, code.co_firstlineno)
-    return None
+    return None if code is None else (os.path.realpath(code.co_filename), code.co_name, code.co_firstlineno)
 
 
 def count_calls(model: Callable, args: tuple, kwargs: dict, context: Any, findings: list[Finding]) -> CallCounts:
@@ -62,7 +66,6 @@ def count_calls(model: Callable, args: tuple, kwargs: dict, context: Any, findin
         key = (path, code.co_name, code.co_firstlineno)
         if key in watched:
             counts.calls[key] = counts.calls.get(key, 0) + 1
-            counts.first_args.setdefault(key, dict(frame.f_locals))
 
     previous = sys.getprofile()
     sys.setprofile(hook)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["Frame", "BreakRecord", "TraceResult", "trace", "run_under", "torch_dir"]
+__all__ = ["Frame", "BreakRecord", "TraceResult", "trace", "run_under", "torch_dir", "error_record"]
 
 _MARKER = "most recent `torch.compile` tracing attempt started here"
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
@@ -55,6 +55,7 @@ class BreakRecord:
     stack: list[Frame]
     hard: bool = False  # the frame was skipped (runs eagerly whole) or tracing raised
     seen: int = 1  # how many times Dynamo reported it while tracing (nested frames re-report a break)
+    others: list[list[Frame]] = field(default_factory=list)  # other stacks that reached the same place
 
 
 @dataclass
@@ -72,6 +73,7 @@ def torch_dir() -> str:
 
 
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_ENTRY_FILE = os.path.join(os.path.dirname(_OWN_DIR), "binding.py")  # GraphedModule traces the model through it
 
 
 # ------------------------------------------------------------------------------------------- log parsing
@@ -90,11 +92,14 @@ def _frames(text: str) -> list[Frame]:
 
 
 def _user_frames(frames: list[Frame]) -> list[Frame]:
-    """Drop everything up to the doctor's own call into the model, then torch's frames (eval_frame, polyfills)."""
+    """Drop everything up to the doctor's own call into the model, then torch's frames (eval_frame, polyfills),
+    then the leading frames of the entry a GraphedModule traces the model through."""
     own = [i for i, f in enumerate(frames) if f.file.startswith(_OWN_DIR)]
     frames = frames[own[-1] + 1:] if own else frames
     tdir = torch_dir()
-    return [f for f in frames if not f.file.startswith(tdir) and not f.file.startswith("<frozen")]
+    frames = [f for f in frames if not f.file.startswith(tdir) and not f.file.startswith("<frozen")]
+    lead = next((i for i, f in enumerate(frames) if f.file != _ENTRY_FILE), len(frames))
+    return frames[lead:]
 
 
 def _clean_reason(reason: str) -> tuple[str, bool]:
@@ -187,7 +192,7 @@ def _mark_token_dim(args: tuple) -> None:
             torch._dynamo.maybe_mark_dynamic(a, 0)
 
 
-def _error_record(err: BaseException) -> BreakRecord:
+def error_record(err: BaseException) -> BreakRecord:
     """A hard failure: Dynamo's user stack when it kept one, else the traceback's non-torch frames."""
     real = getattr(err, "real_stack", None)
     if real:
@@ -212,9 +217,16 @@ def _merge(records: list[BreakRecord]) -> list[BreakRecord]:
             continue
         old.seen += 1
         old.hard = old.hard or r.hard
-        if len(r.stack) > len(old.stack):  # keep the fullest user stack
-            old.stack = r.stack
+        if len(old.stack) <= 1 < len(r.stack):  # a suppressed duplicate came first: keep the full stack
+            old.stack, r.stack = r.stack, old.stack
+        known = {_path(s) for s in [old.stack, *old.others]}
+        if r.stack and _path(r.stack) not in known:  # another caller (another library entry) reached it
+            old.others.append(r.stack)
     return list(merged.values())
+
+
+def _path(stack: list[Frame]) -> tuple:
+    return tuple((f.file, f.line) for f in stack)
 
 
 def _break_counts() -> dict[str, int]:
@@ -258,7 +270,7 @@ def trace(model: Callable, args: tuple, kwargs: Optional[dict] = None, context: 
             run_under(context, lambda: compiled(*args, **kwargs))
         except Exception as err:  # a hard failure: keep what was collected and say where it stopped
             result.error = err
-            collector.records.append(_error_record(err))
+            collector.records.append(error_record(err))
     result.seconds = time.perf_counter() - start
     result.breaks = _merge(collector.records + _unlogged(counted, collector.records))
     torch._dynamo.reset()

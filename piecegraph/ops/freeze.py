@@ -309,9 +309,15 @@ def freeze_package(package: str, *, strict: bool = False, exclude: Iterable[str]
 
 def unfreeze(target: Union[None, str, Callable] = None) -> list[str]:
     """Restore originals everywhere: all (None), one package (``"name"``) or one function (original or frozen).
+    All or a package: the functions automatic opaque routed (:mod:`piecegraph.ops.auto_opaque`) are put back too.
 
     Returns the qualified names restored.
     """
+    routed = []
+    if target is None or isinstance(target, str):
+        from piecegraph.ops.auto_opaque import unroute_all
+
+        routed = unroute_all(target)
     records = {id(r): r for r in _FROZEN.values()}.values()
     if isinstance(target, str):
         records = [r for r in records if in_package(r.name.rsplit(".", 1)[0], target) or r.name == target]
@@ -323,7 +329,7 @@ def unfreeze(target: Union[None, str, Callable] = None) -> list[str]:
     for r in records:
         _FROZEN.pop(id(r.original), None)
         _FROZEN.pop(id(r.frozen), None)
-    return [r.name for r in records]
+    return [r.name for r in records] + routed
 
 
 def frozen_functions() -> dict[str, Callable]:
