@@ -6,7 +6,8 @@
 # concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. "hf-bench"
 # times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights).
 # "static-bench" times piecewise with and without static compiles per size (compile_sizes="auto") beside
-# baked-graph on the 0.5B shape. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
+# eager, breakable, auto and auto with static compiles. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -99,8 +100,15 @@ if has hf-bench; then  # the transformers model itself beside the reference deco
 fi
 if has static-bench; then  # static compiles per size (compile_sizes="auto") beside piecewise and the baked lower bound
   python3 -m piecegraph.cli bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
-    --modes piecewise,piecewise-static,baked-graph --batches "${BATCHES:-1,256}" --prefill "${PREFILL:-16,128,512}" \
+    --modes "${STATIC_MODES:-piecewise,piecewise-static,baked-graph}" --batches "${BATCHES:-1,256}" \
+    --prefill "${PREFILL:-16,128,512}" --profile "${PROFILE:-piecewise-static:1}" \
     --json "$OUT/static_bench.json" 2>&1 | tee "$OUT/static_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d.get('modes', d), indent=1)[:4000])" \
+    "$OUT/static_bench.json"
+fi
+if has fp8-block; then  # issue 21's FP8 block: eager, breakable, auto (automatic opaque), auto + static compiles
+  python3 scripts/fp8_block_bench.py "$OUT/fp8_block_bench.json" 2>&1 | tee "$OUT/fp8_block_bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies

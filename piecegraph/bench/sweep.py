@@ -80,6 +80,11 @@ def _mode_facts(prep: bench_modes.Prepared, setup_s: float) -> dict[str, Any]:
         "pool_mib": None if pool is None else round(pool / 2**20, 1),
         "pieces": stats.get("pieces"),
         "sizes": stats.get("sizes"),
+        # Whether the timed calls replayed graphs: a size dropped or a call without a graph would show here.
+        **{key: stats[key] for key in ("replays", "fallbacks", "moved_inputs", "dropped_sizes") if key in stats},
+        **({"static_compile_s": round(stats["static_compile_s"], 1),
+            "static_sizes": {size: {"static": e["static"], "dynamic": e["dynamic"]}
+                             for size, e in stats["static_sizes"].items()}} if stats.get("static_sizes") else {}),
     }
 
 

@@ -1,0 +1,80 @@
+"""Time the FP8 block (scripts/fp8_block.py) side by side: eager, breakable, auto (automatic opaque: piecewise
+with Inductor pieces) and auto with static compiles per size (compile_sizes="auto"), at 1 / 16 / 256 / 2048
+tokens. Median of CUDA-event-timed calls after warm-up; each mode's error against eager; JSON written after
+every mode (a run cut short keeps what it measured). Usage: fp8_block_bench.py OUT.json"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_block import Block  # noqa: E402
+
+import piecegraph  # noqa: E402
+from piecegraph.adapters import flashinfer as adapter  # noqa: E402
+
+SIZES = (1, 16, 256, 2048)
+MODES = {"eager": None, "breakable": {"mode": "breakable"}, "auto": {"mode": "auto"},
+         "auto-static": {"mode": "auto", "compile_sizes": "auto"}}
+
+
+def median_ms(fn, x, repeats: int = 50) -> float:
+    for _ in range(5):
+        fn(x)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main(out: str) -> None:
+    import flashinfer
+
+    torch.manual_seed(0)
+    model = Block().eval()
+    inputs = {n: torch.randn(n, model.hidden, device="cuda", dtype=torch.bfloat16) for n in SIZES}
+    result = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                      "flashinfer": flashinfer.__version__, "sizes": SIZES}, "modes": {}}
+    with torch.no_grad():
+        reference = {n: model(x) for n, x in inputs.items()}
+        for name, options in MODES.items():
+            start = time.perf_counter()
+            fn = model if options is None else piecegraph.compile(model, capture_sizes=SIZES, **options)
+            row = {"ms": {}, "rel_err": {}}
+            for n, x in inputs.items():
+                out_n = fn(x)  # the first call traces, compiles and captures (setup)
+                row["rel_err"][n] = ((out_n.float() - reference[n].float()).norm() / reference[n].float().norm()
+                                     ).item()
+            row["setup_s"] = time.perf_counter() - start
+            for n, x in inputs.items():
+                row["ms"][n] = median_ms(fn, x)
+            if options is not None:
+                stats = fn.stats()
+                row["stats"] = {k: stats.get(k) for k in ("mode", "replays", "fallbacks", "auto_opaque",
+                                                           "static_compile_s", "static_sizes")}
+            result["modes"][name] = row
+            print(name, json.dumps(row, default=str), flush=True)
+            Path(out).write_text(json.dumps(result, indent=1, default=str))
+            del fn
+            adapter.uninstall()
+            piecegraph.unfreeze()
+            torch._dynamo.reset()
+    ratios = {n: {m: result["modes"]["breakable"]["ms"][n] / result["modes"][m]["ms"][n]
+                  for m in ("auto", "auto-static") if m in result["modes"]} for n in SIZES}
+    result["speedup_over_breakable"] = ratios
+    Path(out).write_text(json.dumps(result, indent=1, default=str))
+    print("speedup over breakable", json.dumps(ratios))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
