@@ -14,6 +14,7 @@ import torch
 from piecegraph.attention.backends import resolve_backend
 from piecegraph.attention.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
 from piecegraph.attention.types import CacheShape
+from piecegraph.program import describe
 
 __all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "pages_for"]
 
@@ -42,7 +43,7 @@ class KVCache:
                  max_seq_len: int | None = None, backend: str | None = None) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+                raise ValueError(f"KVCache {name} must be a positive int, got {describe(value)}")
         if num_pages < 2:
             raise ValueError(f"KVCache num_pages={num_pages}: page {SCRATCH_PAGE} is the scratch page, so at least "
                              "2 pages are needed")

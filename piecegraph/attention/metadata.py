@@ -18,6 +18,7 @@ import torch
 
 from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import PagedCache
+from piecegraph.program import describe
 
 # Fields a full CUDA graph never reads: per-step host data, used (if at all) before a replay by
 # ``for_cuda_graph``. StaticContext skips them when it checks that a replay's metadata matches its capture.
@@ -108,7 +109,7 @@ class AttentionMetadata:
         for seq, cached, new in seqs:
             if not (isinstance(cached, int) and isinstance(new, int)) or cached < 0 or new < 1:
                 raise ValueError(f"sequence {seq!r}: need num_cached >= 0 and num_new >= 1 (ints), "
-                                 f"got num_cached={cached!r}, num_new={new!r}")
+                                 f"got num_cached={describe(cached)}, num_new={describe(new)}")
             held = cache.capacity(seq)
             if cached > held:
                 raise ValueError(f"sequence {seq!r} claims {cached} cached tokens but holds pages for only {held}; "

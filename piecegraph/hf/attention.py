@@ -33,6 +33,7 @@ import torch
 
 import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
 from piecegraph.hf.arch import UnsupportedModelError, model_type
+from piecegraph.program import describe
 
 NAME = "piecegraph"
 FLAT = "piecegraph_flat"
@@ -162,7 +163,7 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     name = model_type(getattr(module, "config", None))
     if args:
         raise UnsupportedModelError(f"model_type {name!r}: its attention call passes positional arguments "
-                                    f"{args!r} that piecegraph's attention does not know")
+                                    f"{describe(args)} that piecegraph's attention does not know")
     unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and v is not None)
     if unknown:
         raise UnsupportedModelError(f"model_type {name!r}: its attention asks for {unknown}, which piecegraph's "

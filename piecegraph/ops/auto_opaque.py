@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from piecegraph.ops.modules import Spot, rebind_everywhere, undo_spots
+from piecegraph.ops.modules import Spot, rebind_everywhere, rebind_in, undo_spots
 from piecegraph.ops.opaque import OpaqueError, is_opaque, opaque
 from piecegraph.ops.probe_fake import Call, Inferred, ProbeRefused, infer_fake, kind_of, shape_of
 from piecegraph.ops.signature import hints_of, op_schema
@@ -140,15 +140,10 @@ def _is_weight(value: Any, weights: frozenset) -> bool:
 
 def _instance_spots(model: Any, mapping: dict[int, tuple[Any, Any]]) -> list[Spot]:
     """Rebind attributes of the model's submodules that hold a mapped object (``self.fn = lib.op``)."""
-    spots = []
+    spots: list[Spot] = []
     if isinstance(model, torch.nn.Module):
         for module in model.modules():
-            namespace = vars(module)
-            for attr, value in list(namespace.items()):
-                pair = mapping.get(id(value))
-                if pair is not None and pair[0] is value:
-                    namespace[attr] = pair[1]
-                    spots.append((namespace, attr, pair[0], pair[1]))
+            spots += rebind_in(vars(module), mapping)
     return spots
 
 

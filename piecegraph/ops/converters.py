@@ -24,6 +24,7 @@ from typing import AbstractSet, Any, Callable, Optional
 import torch
 
 from piecegraph.ops.arguments import Arg, OpaqueArgumentError, OpaqueError, value_codes, value_objects
+from piecegraph.program import describe
 
 PASS, DROP, BY_VALUE = 0, 1, 2  # what call_planned does with each argument
 
@@ -63,9 +64,9 @@ def changed_constant(qualname: str, name: str, bound: Any, hinted: bool, value: 
     why = ("its type has no op schema spelling" if hinted else
            "it has no type hint and the first call passed " + ("None" if bound is None else "an object"))
     raise OpaqueArgumentError(
-        f"{qualname}: argument {name!r} was bound as a constant to the value of the first call ({bound!r:.60}), "
-        f"since {why}, and this call passes another ({value!r:.60}), neither `is` nor `==` the first. Pass the same "
-        f"object on every call, or make a new opaque op for the other value (opaque() of a def that passes it)"
+        f"{qualname}: argument {name!r} was bound as a constant to the value of the first call ({describe(bound)}), "
+        f"since {why}, and this call passes another ({describe(value)}), neither `is` nor `==` the first. Pass the "
+        f"same object on every call, or make a new opaque op for the other value (opaque() of a def that passes it)"
         + ("; or annotate it (e.g. Optional[Tensor]) to make it an op argument." if not hinted else "."))
 
 

@@ -60,11 +60,19 @@ def rebind_everywhere(mapping: dict[int, tuple[Any, Any]]) -> list[Spot]:
     """
     spots: list[Spot] = []
     for _, namespace in module_namespaces():
-        for attr, value in list(namespace.items()):
-            pair = mapping.get(id(value))
-            if pair is not None and pair[0] is value:
-                namespace[attr] = pair[1]
-                spots.append((namespace, attr, pair[0], pair[1]))
+        spots += rebind_in(namespace, mapping)
+    return spots
+
+
+def rebind_in(namespace: dict[str, Any], mapping: dict[int, tuple[Any, Any]]) -> list[Spot]:
+    """Rebind each name of one ``namespace`` (a module's globals, an object's ``vars``) that *is* an ``old`` of
+    ``mapping`` to its ``new``; returns the spots rebound."""
+    spots: list[Spot] = []
+    for attr, value in list(namespace.items()):
+        pair = mapping.get(id(value))
+        if pair is not None and pair[0] is value:
+            namespace[attr] = pair[1]
+            spots.append((namespace, attr, pair[0], pair[1]))
     return spots
 
 

@@ -121,6 +121,19 @@ def test_tensors_inside_a_dict_argument_are_refused_by_name_without_values():
     assert not NO_VALUES.search(str(err.value))
 
 
+def test_kv_cache_and_metadata_errors_describe_tensors_by_shape_not_values():
+    from piecegraph.attention import AttentionMetadata, KVCache
+    from piecegraph.models import TINY
+
+    with pytest.raises(ValueError, match=r"num_pages must be a positive int, got tensor\(shape=\(3,\)") as err:
+        KVCache(TINY, torch.arange(3.0))
+    assert not NO_VALUES.search(str(err.value))
+    cache = KVCache(TINY, 8)
+    with pytest.raises(ValueError, match=r"num_cached=tensor\(shape=\(2,\), dtype=int64") as err:
+        AttentionMetadata.for_batch(cache, [("a", torch.tensor([5, 6]), 1)])
+    assert not NO_VALUES.search(str(err.value))
+
+
 # -- (e) bad command-line values: one usage error naming the option, exit code 2 ---------------------------------
 @pytest.mark.parametrize("args,needle", [
     (["demo", "--device", "nonsense"], "Invalid value for --device: 'nonsense' is not one of auto, cpu, cuda"),
