@@ -1,4 +1,5 @@
-"""Reference Qwen2/Llama decoder over flat tokens: config and presets, the decoder, loader and greedy generation.
+"""Reference Qwen2/Llama decoder over flat tokens: config and presets, the decoder, loader and greedy generation;
+beside it a mixture-of-experts decoder (``MoEDecoder``, ``MoEConfig``) on the same attention.
 
 Its attention is :mod:`piecegraph.attention`'s split op on the paged KV cache (imported with the decoder).
 """
@@ -7,13 +8,19 @@ from piecegraph.models.config import LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, ModelCo
 from piecegraph.models.decoder import Decoder
 from piecegraph.models.generate import dummy_inputs, generate
 from piecegraph.models.loader import load_hf, read_config, save_hf
+from piecegraph.models.moe import MoEDecoder
+from piecegraph.models.moe_config import QWEN1_5_MOE_A2_7B, TINY_MOE, MoEConfig
 
 __all__ = [
     "Decoder",
     "ModelConfig",
+    "MoEConfig",
+    "MoEDecoder",
     "LLAMA_7B_SHAPE",
+    "QWEN1_5_MOE_A2_7B",
     "QWEN2_5_0_5B",
     "TINY",
+    "TINY_MOE",
     "dummy_inputs",
     "generate",
     "load_hf",
