@@ -82,9 +82,10 @@ class Config:
             vLLM's ``compile_sizes``): Inductor's code for a symbolic count can be several times slower than
             code for one size. The one dynamic compile still serves every other size and every call without a
             graph. ``"auto"``: every capture size, each piece's static code kept only where it ran at least 5%
-            faster than the dynamic code when timed at the size's warm-up (CUDA; programs that write an input
-            keep the static code untimed). Each size costs one more Inductor compile of every distinct piece
-            (``stats()["static_compile_s"]``). Default ``()``: none.
+            faster than the dynamic code when timed as a CUDA graph at the size's warm-up (programs that write an
+            input, and mode="full", whose graph holds the split ops, keep the static code untimed). Each size
+            costs one more Inductor compile of every distinct piece (``stats()["static_compile_s"]``). Default
+            ``()``: none.
         auto_opaque: when the trace breaks inside an installed library, wrap each public function of it the model
             called (decorators seen through) as an opaque op, its fake inferred by running it at three token
             counts on the arguments prewarm saw and checked at two more, route the model's calls through it, and

@@ -215,8 +215,10 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     mixing = _token_mixing(gm, sym, config)
     state = CaptureState.for_config(config)
     written = mutated_inputs(gm)
-    # Measuring runs a piece several times on the same arguments: only for programs that write no input.
-    measure = config.compile_sizes == "auto" and not written
+    # Measuring runs a piece several times on the same arguments and captures it into a throwaway graph: only
+    # for programs that write no input, and never for mode="full", whose one graph holds the split ops (they may
+    # plan or write state that only their own capture may touch).
+    measure = config.compile_sizes == "auto" and not written and config.mode != "full"
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
