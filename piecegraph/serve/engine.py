@@ -20,6 +20,7 @@ from piecegraph.attention.kv_cache import KVCache
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.attention.pages import pages_for
 from piecegraph.graphs.capture import timed_capture
+from piecegraph.program import describe
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
 from piecegraph.serve.request import Request, SamplingParams
@@ -46,7 +47,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.executor = Executor(model, self.config)
         self.steps: list[StepStats] = []
-        self._ids: set[Hashable] = set()
+        self._ids: set[Hashable] = set()  # every id accepted, for uniqueness and abort's KeyError
+        self._live: dict[Hashable, Request] = {}  # waiting or running requests by id
         self._counter = itertools.count()
         self.device = self.cache.device
         _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
@@ -62,17 +64,38 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                     id: Hashable | None = None, arrival: float | None = None) -> Request:
-        """Queue a request; ``id`` (default a counter) must be new to this engine. Returns the live request."""
+        """Queue a request; ``id`` (default a counter) must be hashable and new to this engine. Returns the live
+        request. A refused request (``TypeError``/``ValueError`` naming the argument: prompt, params, id, the
+        vocabulary, the cache) takes neither its id nor pages."""
         rid = id if id is not None else ("req", next(self._counter))
+        try:
+            hash(rid)
+        except TypeError:
+            raise TypeError(f"request id {describe(rid)} must be hashable") from None
         if rid in self._ids:
-            raise ValueError(f"request id {rid!r} was already submitted to this engine; ids are unique")
+            raise ValueError(f"request id {describe(rid)} was already submitted to this engine; ids are unique")
         request = Request.make(rid, prompt, params, time.perf_counter() if arrival is None else arrival)
         vocab = self.model.config.vocab_size
         bad = [t for t in request.prompt if not 0 <= t < vocab]
         if bad:  # checked here: out of range, the embedding fails mid-step (a device assert on a GPU)
-            raise ValueError(f"request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(f"request {describe(rid)}: prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
         self.scheduler.add(request)
         self._ids.add(rid)
+        self._live[rid] = request
+        return request
+
+    def abort(self, request_id: Hashable) -> Request | None:
+        """Abort a waiting or running request (also mid-prefill or preempted) between steps: its pages are freed at
+        once, it leaves the queues and finishes with ``finish_reason == "aborted"`` (its ``output`` is what it had
+        emitted). Returns it; ``None`` when that id had already finished or been aborted (idempotent). Raises
+        ``KeyError`` for an id this engine never accepted. The other requests' tokens do not change."""
+        request = self._live.pop(request_id, None)
+        if request is None:
+            if request_id in self._ids:
+                return None
+            raise KeyError(f"request id {describe(request_id)} was never submitted to this engine")
+        self.scheduler.abort(request)
         return request
 
     def has_work(self) -> bool:
@@ -128,6 +151,7 @@ class Engine:
                 r.request.append(next(it), now)
                 if r.request.finish_reason is not None:
                     self.scheduler.finish(r.request)
+                    self._live.pop(r.request.id, None)
                     finished.append(r.request)
         return finished
 
@@ -162,12 +186,12 @@ class Engine:
         """The steps so far summarized (see :func:`piecegraph.serve.stats.summarize`), pages and preemptions."""
         out = summarize(self.steps)
         out.update(free_pages=self.cache.num_free_pages, num_pages=self.cache.num_pages,
-                   preemptions=self.scheduler.num_preemptions)
+                   preemptions=self.scheduler.num_preemptions, aborted=self.scheduler.num_aborted)
         return out
 
     def reset_stats(self) -> None:
         self.steps = []
-        self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_aborted = 0
 
     def capture_report(self) -> dict[str, Any]:
         """What start captured: per module its sizes and seconds, the pool's MiB, and the whole setup seconds."""

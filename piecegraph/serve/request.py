@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -33,6 +34,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
+        eos = self.eos_token_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+            raise TypeError(f"SamplingParams.eos_token_id={eos!r} must be an int token id or None")
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +52,8 @@ class Request:
     token left is decoding. Preemption frees its pages and sets ``num_computed`` to 0: its prompt and the
     outputs so far are prefilled again (recompute), and generation continues where it stopped.
     Times are ``time.perf_counter()`` seconds: ``arrival``, ``first_token`` and each output token's.
+    ``finish_reason`` once finished: ``"eos"``, ``"length"`` or ``"aborted"`` (``Engine.abort``: its output is
+    whatever it had emitted, a prefix of what it would have emitted).
     """
 
     id: Hashable
@@ -64,9 +70,16 @@ class Request:
     @classmethod
     def make(cls, id: Hashable, prompt: Sequence[int], params: SamplingParams | None = None,
              arrival: float = 0.0) -> "Request":
-        prompt = tuple(int(t) for t in prompt)
+        """Validate and build; ``prompt``: a sequence of int token ids (not a string, not floats or bools, at least
+        one); ``params``: a :class:`SamplingParams` or ``None`` (defaults). Raises ``TypeError``/``ValueError``
+        naming the argument (the vocabulary and the cache are checked by the engine)."""
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"request {id!r}: prompt must be a sequence of int token ids, got {type(prompt).__name__}")
+        prompt = tuple(_token(id, t) for t in prompt)
         if not prompt:
             raise ValueError(f"request {id!r}: the prompt needs at least one token")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"request {id!r}: params must be a SamplingParams or None, got {type(params).__name__}")
         return cls(id=id, prompt=prompt, params=params or SamplingParams(), arrival=arrival)
 
     @property
@@ -110,3 +123,13 @@ class Request:
             self.finish_reason = "eos"
         elif len(self.output) >= self.params.max_new_tokens:
             self.finish_reason = "length"
+
+
+def _token(id: Hashable, t: object) -> int:
+    """One prompt token as an int: ints and int-like scalars (numpy, 0-d integer tensors); no bools or floats."""
+    try:
+        if isinstance(t, bool):
+            raise TypeError
+        return operator.index(t)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"request {id!r}: prompt token {t!r} ({type(t).__name__}) is not an int token id") from None

@@ -60,7 +60,7 @@ class Scheduler:
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.num_preemptions = self.num_aborted = 0
 
     # -- queues -----------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -82,6 +82,19 @@ class Scheduler:
         self.running.remove(request)
         request.status = Status.FINISHED
         self._release(request.id)
+
+    def abort(self, request: Request) -> None:
+        """Take a waiting or running request out of its queue between steps, free its pages at once and finish
+        it with ``finish_reason="aborted"``; a finished request is left as it is (idempotent)."""
+        if request.status is Status.FINISHED:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status, request.finish_reason = Status.FINISHED, "aborted"
+        self._release(request.id)
+        self.num_aborted += 1
 
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> Batch:
