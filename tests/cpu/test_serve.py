@@ -22,13 +22,7 @@ PAGE_SIZE = 4
 MAX_SEQ_LEN = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: torch's two OpenMP threads spin against other processes and make steps 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

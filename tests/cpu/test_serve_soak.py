@@ -9,7 +9,6 @@ import os
 import random
 
 import pytest
-import torch
 
 from piecegraph.models import TINY, Decoder, generate
 from piecegraph.serve import Engine, EngineConfig, SamplingParams, Status
@@ -24,13 +23,7 @@ PAGE_SIZE = 4
 NUM_PAGES = 20  # 76 tokens of pages: room for one or two long requests, so running six of them preempts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: torch's two OpenMP threads spin against other processes and make steps 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
