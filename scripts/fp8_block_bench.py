@@ -1,7 +1,8 @@
 """Time the FP8 block (scripts/fp8_block.py) side by side: eager, breakable, auto (automatic opaque: piecewise
 with Inductor pieces) and auto with static compiles per size (compile_sizes="auto"), at 1 / 16 / 256 / 2048
-tokens. Median of CUDA-event-timed calls after warm-up; each mode's error against eager; JSON written after
-every mode (a run cut short keeps what it measured). Usage: fp8_block_bench.py OUT.json"""
+tokens. Median of CUDA-event-timed calls after warm-up (``bench.harness.time_ms``, as the bench times); each
+mode's error against eager; JSON written after every mode (a run cut short keeps what it measured).
+Usage: fp8_block_bench.py OUT.json"""
 
 from __future__ import annotations
 
@@ -17,24 +18,11 @@ from fp8_block import Block  # noqa: E402
 
 import piecegraph  # noqa: E402
 from piecegraph.adapters import flashinfer as adapter  # noqa: E402
+from piecegraph.bench.harness import time_ms  # noqa: E402
 
 SIZES = (1, 16, 256, 2048)
 MODES = {"eager": None, "breakable": {"mode": "breakable"}, "auto": {"mode": "auto"},
          "auto-static": {"mode": "auto", "compile_sizes": "auto"}}
-
-
-def median_ms(fn, x, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn(x)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main(out: str) -> None:
@@ -57,7 +45,7 @@ def main(out: str) -> None:
                                      ).item()
             row["setup_s"] = time.perf_counter() - start
             for n, x in inputs.items():
-                row["ms"][n] = median_ms(fn, x)
+                row["ms"][n] = time_ms(lambda i, fn=fn, x=x: fn(x), warmup=5, repeats=50)
             if options is not None:
                 stats = fn.stats()
                 row["stats"] = {k: stats.get(k) for k in ("mode", "replays", "fallbacks", "auto_opaque",

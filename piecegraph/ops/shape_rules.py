@@ -180,20 +180,21 @@ def _fit_dtype(shots: list[Shot], k: int) -> str:
     for name, value in first.scalars.items():
         if isinstance(value, torch.dtype) and all(s.scalars.get(name) == s.outs[k].dtype for s in shots):
             return f"lambda {name}, **_: {name}"
-    dtypes = {s.outs[k].dtype for s in shots}
-    found = _attr(shots, k, "dtype") or (str(next(iter(dtypes))) if len(dtypes) == 1 else None)
-    if found is None:
-        raise RuleError(f"output {k}'s dtype ({', '.join(sorted(map(str, dtypes)))}) follows no argument")
-    return found
+    return _follow(shots, k, "dtype", str)
 
 
 def _fit_device(shots: list[Shot], k: int) -> Optional[str]:
     if all(s.tensors and s.devices[s.tensors[0]] == s.outs[k].device for s in shots):
         return None  # opaque's default: the first tensor argument's device
-    devices = {s.outs[k].device for s in shots}
-    found = _attr(shots, k, "device") or (repr(next(iter(devices))) if len(devices) == 1 else None)
+    return _follow(shots, k, "device", repr)
+
+
+def _follow(shots: list[Shot], k: int, field: str, spell: Callable[[Any], str]) -> str:
+    """Output ``k``'s ``field`` (dtype or device): an argument's, else one constant (written by ``spell``)."""
+    values = {getattr(s.outs[k], field) for s in shots}
+    found = _attr(shots, k, field) or (spell(next(iter(values))) if len(values) == 1 else None)
     if found is None:
-        raise RuleError(f"output {k}'s device ({', '.join(sorted(devices))}) follows no argument")
+        raise RuleError(f"output {k}'s {field} ({', '.join(sorted(map(str, values)))}) follows no argument")
     return found
 
 

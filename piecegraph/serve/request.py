@@ -7,6 +7,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from piecegraph.program import describe
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -74,12 +76,14 @@ class Request:
         one); ``params``: a :class:`SamplingParams` or ``None`` (defaults). Raises ``TypeError``/``ValueError``
         naming the argument (the vocabulary and the cache are checked by the engine)."""
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            raise TypeError(f"request {id!r}: prompt must be a sequence of int token ids, got {type(prompt).__name__}")
+            raise TypeError(f"request {describe(id)}: prompt must be a sequence of int token ids, got "
+                            f"{type(prompt).__name__}")
         prompt = tuple(_token(id, t) for t in prompt)
         if not prompt:
-            raise ValueError(f"request {id!r}: the prompt needs at least one token")
+            raise ValueError(f"request {describe(id)}: the prompt needs at least one token")
         if params is not None and not isinstance(params, SamplingParams):
-            raise TypeError(f"request {id!r}: params must be a SamplingParams or None, got {type(params).__name__}")
+            raise TypeError(f"request {describe(id)}: params must be a SamplingParams or None, got "
+                            f"{type(params).__name__}")
         return cls(id=id, prompt=prompt, params=params or SamplingParams(), arrival=arrival)
 
     @property
@@ -132,4 +136,5 @@ def _token(id: Hashable, t: object) -> int:
             raise TypeError
         return operator.index(t)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"request {id!r}: prompt token {t!r} ({type(t).__name__}) is not an int token id") from None
+        raise TypeError(f"request {describe(id)}: prompt token {describe(t)} ({type(t).__name__}) is not an int "
+                        "token id") from None
