@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
+from piecegraph.program import describe
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,12 +49,23 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: i
 
 
 def stop_ids(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
-    """``eos_token_id`` (``None``, one id or several) as a set of ints."""
+    """``eos_token_id`` (``None``, one id or several) as a set of ints; anything else (a bool, a float, a string)
+    raises ``TypeError`` naming ``eos_token_id``: a stop id that never matches would generate silently past EOS."""
     if eos_token_id is None:
         return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset((eos_token_id,))
-    return frozenset(int(t) for t in eos_token_id)
+    one = isinstance(eos_token_id, (int, str, bytes)) or not hasattr(eos_token_id, "__iter__") or (
+        isinstance(eos_token_id, torch.Tensor) and eos_token_id.dim() == 0)
+    ids = (eos_token_id,) if one else tuple(eos_token_id)
+    out = set()
+    for t in ids:  # ints, numpy ints, 0-d integer tensors; never a bool, float or string
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.add(operator.index(t))
+        except TypeError:
+            raise TypeError(f"eos_token_id={describe(eos_token_id)} must be an int token id or a list of them "
+                            f"(got {describe(t)})") from None
+    return frozenset(out)
 
 
 def greedy_loop(model: Any, cache: KVCache, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

@@ -71,3 +71,10 @@ def test_eos_as_several_ids_and_an_error_frees_every_page():
     with pytest.raises(RuntimeError, match="boom"):
         generate(model, PROMPTS, NEW, cache=cache, decode_fn=failing, eos_token_id=eos)
     assert cache.sequences() == []
+
+
+@pytest.mark.parametrize("eos", ["2", 2.0, True, [3, "x"], object(), torch.tensor(2.5)])
+def test_an_eos_id_that_is_not_an_int_is_refused_naming_it(eos):
+    model = _model()
+    with pytest.raises(TypeError, match=r"eos_token_id=.* must be an int token id or a list of them"):
+        generate(model, PROMPTS, NEW, eos_token_id=eos)
