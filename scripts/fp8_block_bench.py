@@ -2,7 +2,9 @@
 with Inductor pieces) and auto with static compiles per size (compile_sizes="auto"), at 1 / 16 / 256 / 2048
 tokens. Median of CUDA-event-timed calls after warm-up (``bench.harness.time_ms``, as the bench times); each
 mode's error against eager; JSON written after every mode (a run cut short keeps what it measured).
-Usage: fp8_block_bench.py OUT.json"""
+``moe`` times the FP8 mixture-of-experts block (scripts/fp8_moe_block.py: FlashInfer's sm90 grouped GEMM through
+a method of a FlashInfer object) instead, compiled with ``token_mixing="pad"`` (its sort is padding-safe).
+Usage: fp8_block_bench.py OUT.json [dense|moe]"""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_block import Block  # noqa: E402
+from fp8_moe_block import MoEBlock  # noqa: E402
 
 import piecegraph  # noqa: E402
 from piecegraph.adapters import flashinfer as adapter  # noqa: E402
@@ -25,19 +28,20 @@ MODES = {"eager": None, "breakable": {"mode": "breakable"}, "auto": {"mode": "au
          "auto-static": {"mode": "auto", "compile_sizes": "auto"}}
 
 
-def main(out: str) -> None:
+def main(out: str, block: str = "dense") -> None:
     import flashinfer
 
     torch.manual_seed(0)
-    model = Block().eval()
+    model = (MoEBlock if block == "moe" else Block)().eval()
+    extra = {"token_mixing": "pad"} if block == "moe" else {}
     inputs = {n: torch.randn(n, model.hidden, device="cuda", dtype=torch.bfloat16) for n in SIZES}
     result = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                      "flashinfer": flashinfer.__version__, "sizes": SIZES}, "modes": {}}
+                      "flashinfer": flashinfer.__version__, "sizes": SIZES, "block": block}, "modes": {}}
     with torch.no_grad():
         reference = {n: model(x) for n, x in inputs.items()}
         for name, options in MODES.items():
             start = time.perf_counter()
-            fn = model if options is None else piecegraph.compile(model, capture_sizes=SIZES, **options)
+            fn = model if options is None else piecegraph.compile(model, capture_sizes=SIZES, **options, **extra)
             row = {"ms": {}, "rel_err": {}}
             for n, x in inputs.items():
                 out_n = fn(x)  # the first call traces, compiles and captures (setup)
@@ -65,4 +69,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

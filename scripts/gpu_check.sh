@@ -4,10 +4,12 @@
 # Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench serve" by default:
 # pick a subset to split the work over several calls). "serve" runs the serving benchmark (serve-bench) at
 # concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. "hf-bench"
-# times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights).
+# times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights;
+# HF_WHICH="hf" for the transformers model only, HF_MODES for other modes, e.g. piecewise,piecewise-static).
 # "static-bench" times piecewise with and without static compiles per size (compile_sizes="auto") beside
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
-# eager, breakable, auto and auto with static compiles. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# eager, breakable, auto and auto with static compiles; "fp8-moe" the same for the FP8 MoE block on FlashInfer's
+# sm90 grouped GEMM (scripts/fp8_moe_block.py). "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -89,10 +91,10 @@ if has bench; then
 fi
 if has hf-bench; then  # the transformers model itself beside the reference decoder, on the same weights
   python3 scripts/hf_random_qwen2.py /tmp/pg-qwen2-hf >"$OUT/hf_bench.log" 2>&1
-  for which in hf ref; do
+  for which in ${HF_WHICH:-hf ref}; do
     flag=$([ $which = hf ] && echo --hf || true)
     python3 -m piecegraph.cli bench --model /tmp/pg-qwen2-hf $flag --device cuda --attention flashinfer \
-      --modes eager,full,piecewise --batches "${BATCHES:-1,10,256}" --prefill "${PREFILL:-128,2048}" \
+      --modes "${HF_MODES:-eager,full,piecewise}" --batches "${BATCHES:-1,10,256}" --prefill "${PREFILL:-128,2048}" \
       --profile "${PROFILE:-piecewise:1}" --json "$OUT/${which}_bench.json" >>"$OUT/hf_bench.log" 2>&1
     [ $? = 0 ] || status=1
     tail -40 "$OUT/hf_bench.log"
@@ -109,6 +111,10 @@ if has static-bench; then  # static compiles per size (compile_sizes="auto") bes
 fi
 if has fp8-block; then  # issue 21's FP8 block: eager, breakable, auto (automatic opaque), auto + static compiles
   python3 scripts/fp8_block_bench.py "$OUT/fp8_block_bench.json" 2>&1 | tee "$OUT/fp8_block_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has fp8-moe; then  # the FP8 MoE block on FlashInfer's sm90 grouped GEMM (a method wrapped by automatic opaque)
+  python3 scripts/fp8_block_bench.py "$OUT/fp8_moe_bench.json" moe 2>&1 | tee "$OUT/fp8_moe_bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies

@@ -23,6 +23,7 @@ from piecegraph.diagnose.attribute import Finding
 from piecegraph.diagnose.entry import Entry
 from piecegraph.diagnose.trace import run_under
 from piecegraph.ops.auto_opaque import AutoOp, infer, record_calls
+from piecegraph.ops.modules import identity
 from piecegraph.ops.opaque import is_opaque
 from piecegraph.ops.probe_fake import ProbeRefused
 from piecegraph.program import token_arguments
@@ -64,7 +65,7 @@ def library_entries(findings: list[Finding]) -> list[Entry]:
             continue
         for e in finding_entries(f):
             if not adapter_covers(f.package, e.alias) and not is_opaque(e.fn):
-                found.setdefault(id(e.fn), e)
+                found.setdefault(identity(e.fn), e)
     return list(found.values())
 
 
@@ -108,7 +109,7 @@ def plan_wraps(model: Callable, args: tuple, kwargs: dict, context: Any, entries
         return plan
     for e in entries:
         try:
-            plan.ops[e.alias] = infer(e.fn, e.alias, calls.get(id(e.fn), []))
+            plan.ops[e.alias] = infer(e.fn, e.alias, calls.get(id(e.fn), []), e.target)
         except ProbeRefused as err:
             plan.refused[e.alias] = str(err)
             log.info("automatic opaque: %s not wrapped: %s", e.alias, err)

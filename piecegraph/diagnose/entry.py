@@ -5,8 +5,9 @@ package is often a decorator's closure (FlashInfer's ``backend_requirement`` ``w
 object shared by every function it decorates, so its name says nothing. The entry is found as the object that
 
   1. the calling line looked up (``flashinfer.bmm_fp8(...)``, ``bmm_fp8(...)`` after ``from flashinfer import
-     bmm_fp8``, ``self.fn(...)`` on one of the model's modules), resolved in the caller's module globals or on the
-     model's submodules, and whose code is the outermost frame's (a ``functools.cache`` object: its wrapped code);
+     bmm_fp8``, ``self.fn(...)`` on one of the model's modules, ``self.gemm.run(...)`` a method of an object one of
+     them holds), resolved in the caller's module globals or on the model's submodules, and whose code is the
+     outermost frame's (a ``functools.cache`` object: its wrapped code);
   2. else the one callable in the package's modules whose code is the outermost frame's and, when it is a
      decorator's wrapper, whose ``__wrapped__`` chain holds the code of a deeper frame of the package.
 
@@ -28,7 +29,7 @@ import torch
 
 from piecegraph.diagnose.index import CodeIndex
 from piecegraph.diagnose.trace import Frame
-from piecegraph.ops.modules import in_package, module_namespaces
+from piecegraph.ops.modules import identity, in_package, is_bound_method, module_namespaces
 
 __all__ = ["Entry", "find_entry", "public_name", "code_of"]
 
@@ -38,10 +39,13 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Entry:
-    """The callable the model's code called (decorators included) and its public name."""
+    """The callable the model's code called (decorators included), its public name, and for a method of an object
+    (``self.gemm.run``) the expression that names that object's method (``model.get_submodule("mlp").gemm.run``),
+    which the ``opaque`` line assigns."""
 
     fn: Callable
     alias: str
+    target: Optional[str] = None
 
 
 def code_of(fn: Any) -> Any:
@@ -86,30 +90,50 @@ def _matches(fn: Any, entry: Frame, inner: list[Frame], named: bool) -> bool:
     return any(_runs(code, f) for code in chain for f in inner)
 
 
-def _resolve(dotted: str, namespace: dict, model: Any) -> list[Any]:
+def _method_of(obj: Any, attr: str) -> Any:
+    """``obj.attr`` when it is a method of ``obj``'s class (looked up statically first: a property of another object
+    could run code) or a callable its instance dict holds; else ``_MISSING``."""
+    try:
+        static = inspect.getattr_static(obj, attr)
+    except AttributeError:
+        return _MISSING
+    if inspect.isfunction(static) or callable(vars(obj).get(attr) if hasattr(obj, "__dict__") else None):
+        return getattr(obj, attr, _MISSING)
+    return _MISSING
+
+
+def _roots(head: str, namespace: dict, model: Any) -> list[tuple[Any, str]]:
+    """What the first name of a lookup is, with an expression a user can write for it."""
+    if head == "self" and isinstance(model, torch.nn.Module):
+        return [(m, f'model.get_submodule("{name}")' if name else "model") for name, m in model.named_modules()]
+    if head in namespace:
+        return [(namespace[head], f"{namespace.get('__name__', '?')}.{head}")]
+    return [(getattr(builtins, head, _MISSING), head)]
+
+
+def _resolve(dotted: str, namespace: dict, model: Any) -> list[tuple[Any, str]]:
+    """``(callable, expression)`` for each object ``dotted`` may name; ``getattr`` runs on modules and the model's
+    submodules only, plus one last method lookup on another object (``self.gemm.run``)."""
     parts = [p.strip() for p in dotted.split(".")]
-    if parts[0] == "self" and isinstance(model, torch.nn.Module):
-        roots = list(model.modules())
-    elif parts[0] in namespace:
-        roots = [namespace[parts[0]]]
-    else:
-        roots = [getattr(builtins, parts[0], _MISSING)]
     found = []
-    for value in roots:
-        for attr in parts[1:]:
-            if value is _MISSING or not (inspect.ismodule(value) or isinstance(value, torch.nn.Module)):
-                value = _MISSING  # getattr only on modules: a property of another object could run code
+    for value, expr in _roots(parts[0], namespace, model):
+        for i, attr in enumerate(parts[1:], start=1):
+            if value is _MISSING:
                 break
-            try:
-                value = getattr(value, attr, _MISSING)
-            except Exception:  # noqa: BLE001  (a module __getattr__ that raises)
-                value = _MISSING
+            if not (inspect.ismodule(value) or isinstance(value, torch.nn.Module)):
+                value = _method_of(value, attr) if i == len(parts) - 1 else _MISSING
+            else:
+                try:
+                    value = getattr(value, attr, _MISSING)
+                except Exception:  # noqa: BLE001  (a module __getattr__ that raises)
+                    value = _MISSING
+            expr = f"{expr}.{attr}"
         if value is not _MISSING and callable(value):
-            found.append(value)
+            found.append((value, expr))
     return found
 
 
-def _looked_up(caller: Frame, index: CodeIndex, model: Any) -> list[Any]:
+def _looked_up(caller: Frame, index: CodeIndex, model: Any) -> list[tuple[Any, str]]:
     """The callables the caller's source line names, resolved where that code looks them up."""
     module = index.module(caller.file)
     namespace = getattr(sys.modules.get(module or ""), "__dict__", {}) if module else {}
@@ -128,7 +152,7 @@ def _package_callables(package: str) -> Iterable[Any]:
 
 
 def _unique(values: Iterable[Any]) -> list[Any]:
-    return list({id(v): v for v in values}.values())
+    return list({identity(v): v for v in values}.values())
 
 
 def public_name(fn: Any, package: str) -> str:
@@ -148,15 +172,21 @@ def public_name(fn: Any, package: str) -> str:
 def find_entry(stack: list[Frame], packages: list[str], package: str, index: CodeIndex,
                model: Any = None) -> Optional[Entry]:
     """The :class:`Entry` of ``package`` on ``stack`` (see the module docstring), or None when no single object
-    can be named (a method, a closure no module holds, two candidates)."""
+    can be named (a closure no module holds, two candidates)."""
     start = next((i for i, p in enumerate(packages) if p == package), None)
     if start is None:
         return None
     entry, inner = stack[start], [f for f, p in zip(stack[start + 1:], packages[start + 1:]) if p == package]
     named = _looked_up(stack[start - 1], index, model) if start > 0 else []
-    found = _unique(fn for fn in named if _matches(fn, entry, inner, named=True))
+    targets: dict = {}
+    for fn, expr in named:  # the first module that holds the object names it
+        targets.setdefault(identity(fn), expr)
+    found = _unique(fn for fn, _ in named if _matches(fn, entry, inner, named=True))
     if not found:
         found = _unique(fn for fn in _package_callables(package) if _matches(fn, entry, inner, named=False))
     if len(found) != 1:
         return None
-    return Entry(found[0], public_name(found[0], package))
+    fn = found[0]
+    if is_bound_method(fn):  # obj.run(...): named by its class, made permanent on that one object
+        return Entry(fn, f"{public_name(type(fn.__self__), package)}.{fn.__name__}", targets.get(identity(fn)))
+    return Entry(fn, public_name(fn, package))

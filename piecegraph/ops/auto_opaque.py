@@ -8,7 +8,8 @@
    ``None`` that was a tensor, another constant, token dimensions of different counts) raises
    :class:`AutoOpaqueUnseen` while tracing, never a wrong shape;
 3. :func:`route`: the op's drop-in is bound where the model looks the function up (every module global that holds
-   it, the library's attribute included, and attributes of the model's submodules); every rebound name is
+   it, the library's attribute included, and attributes of the model's submodules; for a method of an object the
+   model holds, ``obj.run(...)``, an attribute of that one instance); every rebound name is
    recorded in a :class:`Routes`, undone by :meth:`Routes.undo` (a GraphedModule's release) or by
    :func:`unroute_all` (``piecegraph.unfreeze()``).
 
@@ -23,7 +24,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from piecegraph.ops.modules import Spot, rebind_everywhere, rebind_in, undo_spots
+from piecegraph.ops.modules import (
+    Spot,
+    identity,
+    is_bound_method,
+    rebind_everywhere,
+    rebind_in,
+    rebind_method,
+    undo_spots,
+)
 from piecegraph.ops.opaque import OpaqueError, is_opaque, opaque
 from piecegraph.ops.probe_fake import Call, Inferred, ProbeRefused, infer_fake, kind_of, shape_of
 from piecegraph.ops.signature import hints_of, op_schema
@@ -52,7 +61,7 @@ class AutoOp:
     spots: list = field(default_factory=list)
 
 
-# The automatic part of the op registry: id(public function) -> its AutoOp. An op is registered once per function
+# The automatic part of the op registry: identity(public function) -> its AutoOp. An op is registered once per function
 # (opaque() is idempotent), so later inferences for the same function add cases here instead.
 _AUTO: dict[int, AutoOp] = {}
 
@@ -148,7 +157,8 @@ def _instance_spots(model: Any, mapping: dict[int, tuple[Any, Any]]) -> list[Spo
 
 
 def _rebind(mapping: dict[int, tuple[Any, Any]], model: Any) -> list[Spot]:
-    return rebind_everywhere(mapping) + _instance_spots(model, mapping)
+    methods = [rebind_method(old, new) for old, new in mapping.values() if is_bound_method(old)]
+    return rebind_everywhere(mapping) + _instance_spots(model, mapping) + methods
 
 
 def record_calls(fns: list[Callable], run: Callable[[int], Any], tokens: int, twin_tokens: Optional[int],
@@ -232,23 +242,23 @@ def _check_return(fn: Callable, ret: Any) -> None:
         raise ProbeRefused(f"its return annotation ({hint!r}) says other outputs than it returns ({ret!r})")
 
 
-def infer(fn: Callable, alias: str, calls: list[Call]) -> AutoOp:
-    """Infer and check ``fn``'s fake from ``calls``: an :class:`AutoOp` with its line, not registered yet (see
-    :func:`register`). :class:`~piecegraph.ops.probe_fake.ProbeRefused` names the reason when it cannot be done
-    safely."""
+def infer(fn: Callable, alias: str, calls: list[Call], target: Optional[str] = None) -> AutoOp:
+    """Infer and check ``fn``'s fake from ``calls``: an :class:`AutoOp` with its line (assigning ``target``, an
+    expression that names ``fn``; default ``alias``), not registered yet (see :func:`register`).
+    :class:`~piecegraph.ops.probe_fake.ProbeRefused` names the reason when it cannot be done safely."""
     if is_opaque(fn):
         raise ProbeRefused("it is an opaque op already")
     inferred: Inferred = infer_fake(fn, calls)
     _check_return(fn, inferred.ret)
-    line = opaque_line(alias, inferred.fake.text, inferred.mutates)
+    line = opaque_line(target or alias, inferred.fake.text, inferred.mutates)
     return AutoOp(alias, fn, line, inferred.fake.text, inferred.mutates, list(inferred.cases), ret=inferred.ret)
 
 
 def register(op: AutoOp) -> AutoOp:
     """Register ``op`` (from :func:`infer`) as a guarded opaque op, once per function: a function wrapped before
     keeps its op and gains ``op``'s cases (another model's calls). Returns the registered op (not routed)."""
-    known = _AUTO.get(id(op.fn))
-    if known is not None and known.fn is op.fn:
+    known = _AUTO.get(identity(op.fn))
+    if known is not None and identity(known.fn) == identity(op.fn):
         if known.mutates != op.mutates:
             raise ProbeRefused(f"it was wrapped before with mutates={known.mutates}, and these calls write "
                                f"{op.mutates}")
@@ -258,13 +268,13 @@ def register(op: AutoOp) -> AutoOp:
         op.wrapper = opaque(op.fn, fake=_guarded_fake(op, op.fn, op.ret), mutates=op.mutates)
     except OpaqueError as err:
         raise ProbeRefused(f"opaque() cannot register it: {err}") from None
-    _AUTO[id(op.fn)] = op
+    _AUTO[identity(op.fn)] = op
     return op
 
 
-def wrap(fn: Callable, alias: str, calls: list[Call]) -> AutoOp:
+def wrap(fn: Callable, alias: str, calls: list[Call], target: Optional[str] = None) -> AutoOp:
     """:func:`infer` then :func:`register`."""
-    return register(infer(fn, alias, calls))
+    return register(infer(fn, alias, calls, target))
 
 
 # --------------------------------------------------------------------------------------------------- routing

@@ -8,6 +8,7 @@ FlashInfer adapter and the doctor's fixes (rebinding, with undo) and the doctor'
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +51,28 @@ def functools_caches(package: str | None = None) -> list[Callable]:
 
 
 Spot = tuple[dict, str, Any, Any]  # (namespace, attribute, old value, new value)
+ABSENT = object()  # a spot's old value when the attribute was not in the namespace: undo deletes it
+
+
+def is_bound_method(fn: Any) -> bool:
+    """Whether ``fn`` is a method bound to an instance (not to a module or a class)."""
+    owner = getattr(fn, "__self__", None)
+    return inspect.ismethod(fn) and not inspect.ismodule(owner) and not inspect.isclass(owner)
+
+
+def identity(fn: Any) -> Any:
+    """What stays the same across lookups of ``fn``: its id, or for a bound method (a new object at every
+    attribute access) the ids of its instance and function."""
+    return (id(fn.__self__), id(fn.__func__)) if is_bound_method(fn) else id(fn)
+
+
+def rebind_method(method: Any, new: Any) -> Spot:
+    """Shadow the bound ``method`` on its instance with ``new`` (an instance attribute wins over the class's
+    function); undone by :func:`undo_spots`, which deletes it again."""
+    namespace, attr = vars(method.__self__), method.__name__
+    old = namespace.get(attr, ABSENT)
+    namespace[attr] = new
+    return (namespace, attr, old, new)
 
 
 def rebind_everywhere(mapping: dict[int, tuple[Any, Any]]) -> list[Spot]:
@@ -80,4 +103,7 @@ def undo_spots(spots: list[Spot]) -> None:
     """Put back the old values of ``spots``, where nobody rebound them since."""
     for namespace, attr, old, new in spots:
         if namespace.get(attr) is new:
-            namespace[attr] = old
+            if old is ABSENT:
+                del namespace[attr]
+            else:
+                namespace[attr] = old

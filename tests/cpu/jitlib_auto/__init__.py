@@ -13,6 +13,7 @@ from .ops import (
     rms_norm,
     scale_rows,
 )
+from .segment import SegmentGemm
 
 __all__ = ["Activation", "act_and_mul", "add_residual_", "bmm", "cache_dir", "concat", "get_module", "positive_rows",
-           "quantize", "rms_norm", "scale_rows", "toolchain"]
+           "quantize", "rms_norm", "scale_rows", "SegmentGemm", "toolchain"]

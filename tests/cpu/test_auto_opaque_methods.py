@@ -1,0 +1,104 @@
+"""Automatic opaque on a method: the model holds a library object (FlashInfer's ``SegmentGEMMWrapper`` pattern,
+here tests/cpu/jitlib_auto's ``SegmentGemm``) and calls ``self.gemm.run(...)``; the JIT loader inside the method
+breaks Dynamo. mode="auto" wraps that object's method (named by its class), traces piecewise with Inductor pieces,
+equals eager, prints a line that makes it permanent on that object, and puts the method back on release."""
+
+import gc
+import warnings
+
+import jitlib_auto
+import pytest
+import torch
+
+import piecegraph
+from piecegraph.ops.opaque import is_opaque
+
+ENTRY = "jitlib_auto.SegmentGemm.run"
+
+
+class GroupedExperts(torch.nn.Module):
+    """Top-2 routing in torch, rows sorted by expert, two grouped GEMMs through the library object (column-major
+    ``[E, out, in]`` weights), SiLU between, rows scattered back with their routing weights; a residual."""
+
+    def __init__(self, gemm, d: int = 8, f: int = 12, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.gemm, self.k, self.experts = gemm, k, experts
+        self.router = torch.nn.Parameter(torch.randn(d, experts))
+        self.up = torch.nn.Parameter(torch.randn(experts, f, d) * 0.3)
+        self.down = torch.nn.Parameter(torch.randn(experts, d, f) * 0.3)
+
+    def forward(self, x):
+        weight, expert = torch.softmax(x @ self.router, -1).topk(self.k, -1)
+        flat = expert.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = (flat.unsqueeze(1) == torch.arange(self.experts)).sum(0)
+        indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        rows = x.index_select(0, order // self.k)
+        h = torch.nn.functional.silu(self.gemm.run(rows, self.up, self.experts, True, seg_indptr=indptr))
+        y = self.gemm.run(h, self.down, self.experts, True, seg_indptr=indptr)
+        y = y * weight.reshape(-1).index_select(0, order).unsqueeze(1)
+        return torch.zeros_like(x).index_add(0, order // self.k, y) + x
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        gemm = jitlib_auto.SegmentGemm(torch.empty(16))  # one object shared by the layers, as a workspace is
+        self.layers = torch.nn.ModuleList(GroupedExperts(gemm) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture(autouse=True)
+def _unroute():
+    yield
+    piecegraph.unfreeze()
+    torch._dynamo.reset()
+
+
+def test_a_library_objects_method_is_wrapped_and_the_model_traces_piecewise_with_inductor():
+    torch.manual_seed(0)
+    model = TwoLayers().eval()
+    gemm = model.layers[0].gemm
+    graphed = piecegraph.compile(model, mode="auto", compiler="inductor", capture_sizes=(4, 8), emulate_graphs=True,
+                                 token_mixing="pad")
+    inductor = sum(torch._dynamo.utils.counters["inductor"].values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(5, 8)
+        out = graphed(x)
+    assert not [w for w in caught if "does not trace with Dynamo" in str(w.message)]
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=1e-5)
+        for n in (3, 8, 11):
+            xn = torch.randn(n, 8)
+            torch.testing.assert_close(graphed(xn), model(xn), rtol=0, atol=1e-5)
+    stats = graphed.stats()
+    assert stats["mode"] == "piecewise" and sum(torch._dynamo.utils.counters["inductor"].values()) > inductor
+    line = stats["auto_opaque"][ENTRY]
+    target = 'model.get_submodule("layers.0").gemm.run'
+    assert line.startswith(f"{target} = piecegraph.opaque({target}, fake=") and "weights.shape[1]" in line
+    assert is_opaque(gemm.run) and "run" in vars(gemm)  # routed on that one object, not on the class
+    assert not is_opaque(jitlib_auto.SegmentGemm(torch.empty(1)).run)
+    del graphed
+    gc.collect()
+    assert "run" not in vars(gemm) and not is_opaque(gemm.run)  # released: the method is the class's again
+
+
+def test_the_printed_line_makes_it_permanent_and_the_model_traces_with_no_breaks():
+    torch.manual_seed(1)
+    model = TwoLayers().eval()
+    graphed = piecegraph.compile(model, mode="auto", capture_sizes=(4,), emulate_graphs=True, token_mixing="pad")
+    graphed(torch.randn(4, 8))
+    line = graphed.stats()["auto_opaque"][ENTRY]
+    del graphed
+    gc.collect()
+    torch._dynamo.reset()
+    exec(line, {"piecegraph": piecegraph, "model": model, "torch": torch})  # what a user pastes
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-6)
