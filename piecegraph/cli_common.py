@@ -52,29 +52,51 @@ def resolve_attention(attention: str, device: str) -> str:
     return attention
 
 
-def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False):
-    """``tiny``, ``qwen2.5-0.5b``, ``llama-7b-shape`` (random reference decoders) or a local checkpoint
-    directory: the reference decoder for Qwen2/Llama, unless ``hf`` (``--hf``) or another model type asks for
-    the Hugging Face model itself through :mod:`piecegraph.hf`."""
-    from piecegraph.models import LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, Decoder, load_hf
+PRESETS = ("tiny", "qwen2.5-0.5b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b")
+QUANTS = ("bf16", "fp8")
 
-    presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-7b-shape": LLAMA_7B_SHAPE}
+
+def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16"):
+    """A preset of :data:`PRESETS` (random reference decoders, dense or MoE) or a local checkpoint directory: the
+    reference decoder for Qwen2/Llama, unless ``hf`` (``--hf``) or another model type asks for the Hugging Face
+    model itself through :mod:`piecegraph.hf`. ``quant="fp8"``: the reference decoder's projections, MLPs and
+    experts in e4m3 (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere)."""
+    from piecegraph.models import (
+        LLAMA_7B_SHAPE,
+        QWEN1_5_MOE_A2_7B,
+        QWEN2_5_0_5B,
+        TINY,
+        TINY_MOE,
+        Decoder,
+        MoEDecoder,
+        load_hf,
+        quantize_fp8,
+    )
+
+    if quant not in QUANTS:
+        raise typer.BadParameter(f"{quant!r} is not one of {', '.join(QUANTS)}", param_hint="--quant")
+    presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-7b-shape": LLAMA_7B_SHAPE, "tiny-moe": TINY_MOE,
+               "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B}
     if model in presets:
-        return Decoder.random(presets[model], seed=0, dtype=dtype, device=device).eval()
-    if Path(model).is_dir() and (hf or _needs_transformers(model)):
+        cls = MoEDecoder if model.endswith("moe") or "-moe-" in model else Decoder
+        net = cls.random(presets[model], seed=0, dtype=dtype, device=device).eval()
+    elif Path(model).is_dir() and (hf or _needs_transformers(model)):
+        if quant != "bf16":
+            raise typer.BadParameter("--quant fp8 is for the reference decoders, not the Hugging Face model",
+                                     param_hint="--quant")
         return _load_transformers(model, device, dtype)
-    if hf:
+    elif hf:
         raise typer.BadParameter(f"{model!r} is not a local Hugging Face directory (--hf never downloads)",
                                  param_hint="--hf")
-    if Path(model).is_dir():
+    elif Path(model).is_dir():
         try:
-            return load_hf(model, dtype=dtype, device=device).eval()
+            net = load_hf(model, dtype=dtype, device=device).eval()
         except (FileNotFoundError, ValueError) as err:  # not a checkpoint, or one we cannot read: say which
             raise typer.BadParameter(str(err).splitlines()[0], param_hint="--model") from None
-    raise typer.BadParameter(
-        f"{model!r} is not 'tiny', 'qwen2.5-0.5b', 'llama-7b-shape' or a local Hugging Face directory",
-        param_hint="--model"
-    )
+    else:
+        raise typer.BadParameter(f"{model!r} is not one of {', '.join(PRESETS)} or a local Hugging Face directory",
+                                 param_hint="--model")
+    return quantize_fp8(net) if quant == "fp8" else net
 
 
 def _needs_transformers(path: str) -> bool:

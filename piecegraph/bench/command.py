@@ -64,8 +64,10 @@ def _profile_spec(text: str | None) -> tuple[str, int] | None:
 
 
 def bench(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | PATH (auto: tiny on "
-                              "CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | tiny-moe | qwen1.5-moe-a2.7b | "
+                              "PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
+                              "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
     modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,breakable,"
                               "torch.compile,reduce-overhead,graph-partition,baked-graph,meta-pcg,none "
                               "(auto: all on GPU, eager,none on CPU)"),
@@ -102,7 +104,7 @@ def bench(
     reports = run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
-    net = shard_for_tp(load_model(model, device, dtype, hf=hf), run)
+    net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=quant), run)
     _check_backend(net, backend)
     op_us = attention_op_us(net, backend, context)  # before the sweep: a sweep cut short still records it
     partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
@@ -112,7 +114,7 @@ def bench(
                               batches=batch_list, prefill=prefill_list, modes=mode_list, attention=attention,
                               attention_backend=result.attention_backend or backend,
                               inductor_graph_partition=partition_default),
-                **run.facts()}
+                "quant": quant, **run.facts()}
 
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
         if json_path and reports:
@@ -137,7 +139,8 @@ def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: 
     from piecegraph.bench.report import compact, payload, rich_table, write_json
 
     context, tp = env["context"], env.get("world_size", 1)
-    console.print(rich_table(result.rows, f"{model} {env['dtype']} on {env['gpu']}{f' x{tp} (tp)' if tp > 1 else ''}"
+    quant, ranks = " fp8" if env.get("quant") == "fp8" else "", f" x{tp} (tp)" if tp > 1 else ""
+    console.print(rich_table(result.rows, f"{model} {env['dtype']}{quant} on {env['gpu']}{ranks}"
                                           f", torch {env['torch']}, {env['attention_backend']} attention, "
                                           f"context {context}"))
     console.print(_op_table(op_us, env["attention_backend"]))

@@ -142,6 +142,8 @@ def _graphed(model: torch.nn.Module, mode: str, compiler: str, sizes: Sequence[i
     kwargs: dict[str, Any] = {"mode": mode, "capture_sizes": tuple(sizes), **options}
     if mode != "breakable":
         kwargs["compiler"] = compiler
+    if mode in ("piecewise", "full"):  # a library kernel nobody adapted (FP8 GEMMs) is wrapped, as auto does
+        kwargs.setdefault("auto_opaque", True)
     sync()
     start = time.perf_counter()
     graphed = piecegraph.compile(model, **kwargs)

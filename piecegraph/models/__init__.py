@@ -1,11 +1,13 @@
 """Reference Qwen2/Llama decoder over flat tokens: config and presets, the decoder, loader and greedy generation;
-beside it a mixture-of-experts decoder (``MoEDecoder``, ``MoEConfig``) on the same attention.
+beside it a mixture-of-experts decoder (``MoEDecoder``, ``MoEConfig``) on the same attention, and FP8 (e4m3) forms of
+both (``quantize_fp8``).
 
 Its attention is :mod:`piecegraph.attention`'s split op on the paged KV cache (imported with the decoder).
 """
 
 from piecegraph.models.config import LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, ModelConfig
 from piecegraph.models.decoder import Decoder
+from piecegraph.models.fp8_moe import quantize_fp8
 from piecegraph.models.generate import dummy_inputs, generate
 from piecegraph.models.loader import load_hf, read_config, save_hf
 from piecegraph.models.moe import MoEDecoder
@@ -23,6 +25,7 @@ __all__ = [
     "TINY_MOE",
     "dummy_inputs",
     "generate",
+    "quantize_fp8",
     "load_hf",
     "read_config",
     "save_hf",

@@ -7,11 +7,12 @@ take it unchanged. Only the MLP differs: a router, stacked experts, an optional 
 
 Padding: routing is capacity-free and every expert output lands only in its own token's row, so pad rows (routed
 like any row) never change a real row's expert choice or output. With ``expert_impl="gather"`` every op is
-row-wise and the token-mixing check finds nothing. With ``"grouped_mm"`` it names two nodes, both of
-:meth:`Experts._grouped`: the ``argsort`` of the (token, expert) pairs ("works along the token dimension") and the
-``searchsorted`` that turns the sorted expert ids into group ends ("reduces over the token dimension"). Pad rows do
+row-wise. With ``"grouped_mm"`` two ops of :meth:`Experts._grouped` work along the token dimension: the ``argsort``
+of the (token, expert) pairs and the ``searchsorted`` that turns the sorted expert ids into group ends. Pad rows
 change the order and the group sizes, but only where rows sit in the grouped GEMM, not what any row computes; the
-check cannot see that, so such a model captures exact sizes unless compiled with ``token_mixing="pad"``.
+token-mixing check cannot see that, so :class:`Experts` declares it (``piecegraph_padding_safe = True``) and the
+check skips the ops inside it (tests/cpu/test_moe.py appends pad rows and checks the real rows are unchanged;
+without the declaration the check names exactly those two nodes).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Experts(nn.Module):
     weights move, see :attr:`use_grouped_mm`); ``T`` is symbolic under Dynamo, with no data-dependent shapes or
     host reads in either implementation.
     """
+
+    piecegraph_padding_safe = True  # the sort moves rows, never mixes them (module docstring)
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()

@@ -14,7 +14,11 @@ dimension; an op mixes when
 * a known shape-keeping op works along the token dimension (softmax, cumsum, sort, flip, roll, convolution and
   pooling over it, batch-norm in training, layer-norm over it, ``scaled_dot_product_attention`` over it).
 
-Custom ops (opaque library kernels) are taken as token-wise: piecegraph cannot see inside them.
+Custom ops (opaque library kernels) are taken as token-wise: piecegraph cannot see inside them. So are the ops
+inside a module whose class declares ``piecegraph_padding_safe = True``: its author states that pad rows never
+change a real row's output there, although ops in it work along the token dimension (a capacity-free mixture of
+experts sorts its (token, expert) rows by expert, yet computes every row on its own and returns it to its token).
+Such a module should carry a test that appending rows leaves the real rows' outputs unchanged.
 """
 
 from __future__ import annotations
@@ -60,12 +64,21 @@ def find_token_mixing(gm: torch.fx.GraphModule, token_symbols: Any) -> list[Mixi
     and opaque kernels) that mixes rows over the token dimension (see the module docstring)."""
     found = []
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or _is_custom_op(node):
+        if node.op not in ("call_function", "call_method") or _is_custom_op(node) or _declared_padding_safe(node):
             continue
         why = _mixes(node, token_symbols)
         if why:
             found.append(MixingOp(op_name(node), why, *_where(node)))
     return found
+
+
+def _declared_padding_safe(node: torch.fx.Node) -> bool:
+    """Whether a module around ``node`` declares ``piecegraph_padding_safe = True`` (module docstring)."""
+    for value in (node.meta.get("nn_module_stack") or {}).values():
+        cls = value[1] if isinstance(value, tuple) and len(value) > 1 else None
+        if isinstance(cls, type) and getattr(cls, "piecegraph_padding_safe", False) is True:
+            return True
+    return False
 
 
 def _mixes(node: torch.fx.Node, sym: Any) -> str | None:

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from piecegraph.attention import SCRATCH_PAGE, AttentionMetadata, KVCache
 from piecegraph.attention.backends.torch_sdpa import TorchBackend
 from piecegraph.attention.kv_cache import pages_for
+from piecegraph.bench import command as bench_command
 from piecegraph.bench import modes as bench_modes
 from piecegraph.bench import sweep
 from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases, prefill_lengths
@@ -19,6 +20,7 @@ from piecegraph.bench.harness import Row
 from piecegraph.bench.profile import attention_op_us
 from piecegraph.bench.report import compact, result_name
 from piecegraph.cli import app
+from piecegraph.cli_common import load_model
 from piecegraph.context import forward_context
 from piecegraph.models import TINY, Decoder
 
@@ -77,6 +79,21 @@ def test_attention_flag_picks_the_backend_and_the_json_records_it(tmp_path):
     env = json.loads(out.read_text())["env"]
     assert env["attention"] == "torch" and env["attention_backend"] == _backend_name("torch") == TorchBackend.name
     assert f"{TorchBackend.name} attention" in result.output  # the table title names the backend
+
+
+def test_moe_preset_in_fp8_is_benched_and_the_json_records_the_quantization(tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: loaded.append(load_model(*a, **k)) or loaded[-1])
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--model", "tiny-moe", "--quant", "fp8", "--modes",
+                                 "eager", "--batches", "2", "--prefill", "12", "--context", "4", "--repeats", "1",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["env"]["quant"] == "fp8" and "tiny-moe float32 fp8" in result.output
+    kinds = {type(m).__name__ for m in loaded[0].modules()}
+    assert {"MoEDecoder", "FP8Experts", "FP8Linear"} <= kinds and "Experts" not in kinds
+    bad = runner.invoke(app, ["bench", "--device", "cpu", "--quant", "int4"])
+    assert bad.exit_code != 0 and "--quant" in bad.output
 
 
 @pytest.mark.parametrize("value", ["flashinfer", "nope"])

@@ -10,7 +10,7 @@ import torch
 import piecegraph
 from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.models import QWEN1_5_MOE_A2_7B, TINY_MOE, MoEConfig, MoEDecoder, dummy_inputs, generate
-from piecegraph.models.moe import grouped_mm_runs
+from piecegraph.models.moe import Experts, grouped_mm_runs
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 1], [200, 13, 54, 2, 8, 31, 77]]
 VARIANTS = {
@@ -136,16 +136,25 @@ def _bf16_model():
     return MoEDecoder.random(TINY_MOE, seed=5, dtype=torch.bfloat16)
 
 
-@pytest.mark.skipif(not grouped_mm_runs("cpu", torch.bfloat16), reason="torch._grouped_mm does not run here")
-def test_grouped_mm_path_is_flagged_at_its_sort_and_group_ends():
-    model = _bf16_model()
+def _mixing_found(model):
     graphed = piecegraph.compile(model, mode="piecewise", compiler="eager", capture_sizes=(8,), emulate_graphs=True)
     (ids, pos), meta = dummy_inputs(model, KVCache.for_sequences(TINY_MOE, 1, 16, dtype=torch.bfloat16), 8)
-    with pytest.warns(UserWarning, match="mixes rows over the token dimension"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with piecegraph.forward_context(meta), torch.no_grad():
             graphed(ids, pos)
-    found = graphed.stats()["token_mixing"]
-    assert len(found) == 2 * TINY_MOE.num_layers, found
+    mixing = [w for w in caught if "mixes rows over the token dimension" in str(w.message)]
+    return graphed.stats()["token_mixing"], mixing
+
+
+@pytest.mark.skipif(not grouped_mm_runs("cpu", torch.bfloat16), reason="torch._grouped_mm does not run here")
+def test_grouped_mm_path_is_declared_padding_safe_and_without_it_flagged_at_its_sort_and_group_ends(monkeypatch):
+    found, warned = _mixing_found(_bf16_model())
+    assert found == [] and not warned  # Experts declares piecegraph_padding_safe: its sort moves rows only
+    torch._dynamo.reset()
+    monkeypatch.setattr(Experts, "piecegraph_padding_safe", False)
+    found, warned = _mixing_found(_bf16_model())
+    assert warned and len(found) == 2 * TINY_MOE.num_layers, found
     assert sum("argsort at moe.py" in f and "works along the token dimension" in f for f in found) == 2
     assert sum("searchsorted at moe.py" in f and "reduces over the token dimension" in f for f in found) == 2
 
@@ -153,10 +162,10 @@ def test_grouped_mm_path_is_flagged_at_its_sort_and_group_ends():
 @pytest.mark.skipif(not grouped_mm_runs("cpu", torch.bfloat16), reason="torch._grouped_mm does not run here")
 @torch.inference_mode()
 def test_grouped_mm_padded_under_pad_equals_unpadded():
-    """The flag above is a false positive: padded to the capture size, real rows equal the eager run."""
+    """The declaration is true: padded to the capture size (default token_mixing), real rows equal eager."""
     model = _bf16_model()
     graphed = piecegraph.compile(model, mode="piecewise", compiler="eager", capture_sizes=(16,),
-                                 emulate_graphs=True, token_mixing="pad")
+                                 emulate_graphs=True)
     for lens in ((5,), (3, 6), (7, 2, 4)):
         outs = []
         for fn in (model, graphed):
