@@ -3,6 +3,12 @@
 Layout ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer for k and for v (FlashInfer's ``NHD``; the
 pair ``(cache.k[layer], cache.v[layer])`` is the ``paged_kv_cache`` its wrappers take). Page 0 is never given to
 a sequence: padded tokens (all-zero metadata) write into it and read from it, harmlessly.
+
+Page tables live twice: as host lists (what the scheduler and the host half of a step's layout read) and as one
+persistent device tensor, :meth:`KVCache.device_table` (``[rows, max_pages_per_seq]`` int32, one row per live
+sequence, its *slot*; row 0 is all scratch), updated incrementally: a page gained or freed is a pending write,
+flushed in one packed non-blocking copy and one ``index_copy_`` when a step's metadata asks for the table, so decode
+steps gather their page layouts on the device instead of sending every page from the host.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Hashable, Iterable
 import torch
 
 from piecegraph.attention.backends import resolve_backend
+from piecegraph.attention.metadata import to_device
 from piecegraph.attention.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
 from piecegraph.attention.types import CacheShape
 from piecegraph.program import describe
@@ -58,6 +65,11 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # popped from the end: low pages first
         self._tables: dict[Hashable, list[int]] = {}
+        self._slots: dict[Hashable, int] = {}  # sequence -> its row of the device table
+        self._free_slots: list[int] = []
+        self._next_slot = 1  # row 0: the scratch row (all SCRATCH_PAGE), for pad rows
+        self._writes: dict[tuple[int, int], int] = {}  # (row, column) -> page, not yet on the device
+        self._table: torch.Tensor | None = None
         self.backend = resolve_backend(backend or config.attention_backend, self.device, dtype, config)
 
     @classmethod
@@ -122,8 +134,12 @@ class KVCache:
                 "Free finished sequences (cache.free(seq)), run fewer sequences per step, or build a larger cache."
             )
         for seq, n in needs.items():
+            if n <= 0:
+                continue
             table = self._tables.setdefault(seq, [])
-            for _ in range(max(n, 0)):
+            row = self._slot_for(seq)
+            for _ in range(n):
+                self._writes[row, len(table)] = self._free[-1]
                 table.append(self._free.pop())
 
     def free(self, seq: Hashable) -> int:
@@ -132,7 +148,53 @@ class KVCache:
             raise KeyError(f"sequence {seq!r} has no pages in this KV cache")
         pages = self._tables.pop(seq)
         self._free.extend(reversed(pages))
+        row = self._slots.pop(seq)
+        for col in range(len(pages)):  # back to scratch: a reused row never shows a stale page
+            self._writes[row, col] = SCRATCH_PAGE
+        self._free_slots.append(row)
         return len(pages)
+
+    # -- the device page table ----------------------------------------------------------------------------
+    def _slot_for(self, seq: Hashable) -> int:
+        row = self._slots.get(seq)
+        if row is None:
+            row = self._free_slots.pop() if self._free_slots else self._claim_row()
+            self._slots[seq] = row
+        return row
+
+    def _claim_row(self) -> int:
+        row, self._next_slot = self._next_slot, self._next_slot + 1
+        return row
+
+    def slot(self, seq: Hashable) -> int:
+        """The row of ``seq`` in :meth:`device_table` (a sequence holding pages); ``KeyError`` otherwise."""
+        if seq not in self._slots:
+            raise KeyError(f"sequence {seq!r} has no pages in this KV cache (allocate it first, or it was freed)")
+        return self._slots[seq]
+
+    def pages_view(self, seq: Hashable) -> list[int]:
+        """The live page list of ``seq`` (not a copy: read it, never write it). Later reservations append to it
+        and a free leaves it as it was, so entries below the pages of a length already reserved stay valid."""
+        return self._tables[seq]
+
+    def device_table(self) -> torch.Tensor:
+        """Every live sequence's pages on the device: ``[rows, max_pages_per_seq]`` int32, row :meth:`slot`,
+        scratch past a sequence's pages; row 0 all scratch. The pending page changes are written first (one
+        packed non-blocking copy from pinned memory, one ``index_copy_``; nothing waits for the device)."""
+        rows_needed = self._next_slot
+        if self._table is None or self._table.shape[0] < rows_needed:
+            grown = torch.zeros(max(2 * rows_needed, 16), self.max_pages_per_seq, dtype=torch.int32,
+                                device=self.device)
+            if self._table is not None:
+                grown[:self._table.shape[0]] = self._table
+            self._table = grown
+        if self._writes:  # distinct (row, column) keys: a later write to the same entry replaced the earlier
+            width = self._table.shape[1]
+            host = {"at": [r * width + c for r, c in self._writes], "pages": list(self._writes.values())}
+            self._writes = {}
+            dev = to_device(host, self.device)
+            self._table.view(-1).index_copy_(0, dev["at"], dev["pages"].to(torch.int32))
+        return self._table
 
     def slot_of(self, seq: Hashable, position: int) -> int:
         """Flat slot (``page * page_size + offset``) of ``seq``'s token at ``position``."""

@@ -27,13 +27,20 @@ _PER_STEP = {"piecegraph_static": "per_step"}
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """The host side of one step: per sequence its id, new tokens, kv length after the step and its pages."""
+    """The host side of one step: per sequence its id, new tokens, kv length after the step and its pages.
+
+    ``pages[i]`` may be longer than the step needs (pages reserved for later tokens; a cache's live list, see
+    :meth:`KVCache.pages_view`): readers use its first ``pages_for(kv_lens[i], page_size)`` entries only.
+    ``slots``: each sequence's row of the cache's device page table (:meth:`KVCache.device_table`; 0 = the
+    scratch row), or ``None`` when the cache has none: then page layouts are built from ``pages`` on the host.
+    """
 
     seq_ids: tuple[Hashable, ...]
     num_new: tuple[int, ...]
     kv_lens: tuple[int, ...]
-    pages: tuple[tuple[int, ...], ...]
+    pages: tuple[Sequence[int], ...]
     page_size: int
+    slots: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -116,9 +123,12 @@ class AttentionMetadata:
                                  "a sequence's earlier tokens must have gone through this cache (or reserve "
                                  "its pages first with cache.reserve([(seq, length)]))")
         cache.reserve((seq, cached + new) for seq, cached, new in seqs)
+        device_table = hasattr(cache, "device_table")  # a KVCache; another PagedCache builds layouts on the host
+        pages = tuple(cache.pages_view(s) for s in ids) if device_table else tuple(cache.page_table(s) for s in ids)
         layout = BatchLayout(
             seq_ids=tuple(ids), num_new=tuple(n for _, _, n in seqs), kv_lens=tuple(c + n for _, c, n in seqs),
-            pages=tuple(tuple(cache.page_table(s)) for s in ids), page_size=cache.page_size,
+            pages=pages, page_size=cache.page_size,
+            slots=tuple(cache.slot(s) for s in ids) if device_table else None,
         )
         return cls.from_layout(cache, layout)
 
@@ -133,24 +143,29 @@ class AttentionMetadata:
         if n < 1:
             raise ValueError(f"AttentionMetadata.dummy needs n >= 1, got {n}")
         layout = BatchLayout(seq_ids=tuple(range(n)), num_new=(1,) * n, kv_lens=(1,) * n,
-                             pages=((SCRATCH_PAGE,),) * n, page_size=cache.page_size)
+                             pages=((SCRATCH_PAGE,),) * n, page_size=cache.page_size,
+                             slots=(0,) * n if hasattr(cache, "device_table") else None)
         return cls.from_layout(cache, layout)
 
     @classmethod
     def from_layout(cls, cache: PagedCache, layout: BatchLayout) -> "AttentionMetadata":
         """Lay out tokens on the device and let the backend plan (what :meth:`for_batch` does after reserving)."""
         host = {"positions": layout.token_positions(), "slot_mapping": layout.token_slots()}
-        # The dense page table is n * max_pages_per_seq ints built on the host every step: only for a backend
-        # that reads it (FlashInfer plans its own CSR layout, so for it decode steps leave it None).
+        # The dense decode page table, only for a backend that reads it (FlashInfer plans its own CSR layout):
+        # gathered on the device from the cache's page table by slot, or (a cache without one) built on the host.
         table = layout.is_decode and getattr(cache.backend, "reads_page_table", True)
-        if table:
-            width = cache.max_pages_per_seq
-            pad = (SCRATCH_PAGE,)
+        gather = table and layout.slots is not None and hasattr(cache, "device_table")
+        if gather:
+            host["slots"] = list(layout.slots)
+        elif table:
+            width, pad = cache.max_pages_per_seq, (SCRATCH_PAGE,)
             host["page_table"] = [p for pages in layout.pages for p in (*pages, *pad * (width - len(pages)))]
         if layout.is_decode:
             host["kv_lens"] = list(layout.kv_lens)
         dev = to_device(host, cache.device)
-        if table:
+        if gather:
+            dev["page_table"] = cache.device_table().index_select(0, dev.pop("slots")).long()
+        elif table:
             dev["page_table"] = dev["page_table"].view(layout.num_seqs, cache.max_pages_per_seq)
         meta = cls(cache=cache, layout=layout, **dev)
         cache.backend.plan(meta)

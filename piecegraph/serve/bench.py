@@ -2,9 +2,9 @@
 
 Closed loop: ``concurrency`` clients each keep one request in flight; when one finishes, its client submits the
 next, until ``num_requests`` are done. Times are wall seconds on the host (``time.perf_counter``) taken when a
-step's tokens reach the host, which is a device sync on a GPU (the tokens are copied back every step), so
-TTFT and ITL are what a client would see. TTFT = first token - arrival; ITL = the gaps between a request's
-consecutive tokens, pooled over requests.
+step's tokens reach the host (the engine waits for them: in its own step, or overlapped, one step later while the
+next step runs), so TTFT and ITL are what a client would see. TTFT = first token - arrival; ITL = the gaps
+between a request's consecutive tokens, pooled over requests.
 """
 
 from __future__ import annotations
@@ -125,7 +125,9 @@ def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: 
     return {"concurrency": concurrency, **metrics(done, seconds), "steps": steps["steps"],
             "graph_share": steps["graph_share"], "padding_share": steps["padding_share"],
             "steps_by_kind": steps["by_kind"], "ms_per_step": steps["ms_per_step"], "phase_ms": steps["phase_ms"],
-            "preemptions": steps["preemptions"]}
+            "plan_us": steps["plan_us"], "plans_per_step": steps["plans_per_step"],
+            "max_plans_per_step": steps["max_plans_per_step"], "preemptions": steps["preemptions"],
+            "overlap": engine.config.overlap}
 
 
 @torch.no_grad()  # not inference_mode: graphs and buffers made here are used outside it later

@@ -38,12 +38,21 @@ class EngineConfig:
             sequences of ``max_seq_len`` tokens (no preemption then). Smaller budgets preempt (recompute).
         page_size: tokens per KV page.
         max_seq_len: the longest request (prompt + new tokens); ``None`` = the model config's ``max_seq_len``. It
-            fixes the width of decode page tables, which the host rebuilds every step: keep it tight.
+            fixes the width of the device page table and of the dense decode page tables gathered from it (and
+            read by the torch backend's decode attention): keep it tight.
         decode_sizes / prefill_sizes: capture sizes of the full (decode) and piecewise graphs; ``None`` =
             :func:`serve_sizes` up to the limits above. Steps above the largest size run without graphs.
         compiler: ``"inductor"`` or ``"eager"`` (piecegraph's ``compiler``: the traced pieces as they are).
         emulate_graphs: piecegraph's CPU emulation of graph replay (graph semantics for tests, no GPU needed).
         attention_backend: the KV cache's backend (``"auto" | "torch" | "flashinfer"``); ``None`` = the model's.
+        overlap: overlapped steps (default): the engine schedules and launches step k+1 before it reads step k's
+            tokens, which stay on the device as step k+1's input ids; the host learns them one step later (a
+            request that stopped runs one extra decode row, discarded). ``False``: the synchronous loop, each
+            step's tokens read before the next is scheduled (the baseline). Tokens are equal either way.
+        cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
+            a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
+        graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate is over it are
+            left out, named in a warning, and run without graphs. ``None``: no limit.
 
     Example: ``EngineConfig(mode="auto", max_num_seqs=64, max_num_batched_tokens=512, max_seq_len=1024)``.
     """
@@ -59,6 +68,9 @@ class EngineConfig:
     compiler: str = "inductor"
     emulate_graphs: bool = False
     attention_backend: str | None = None
+    overlap: bool = True
+    cache_dir: Any = None
+    graph_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -78,8 +90,9 @@ class EngineConfig:
                 if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
                     raise ValueError(f"EngineConfig.{name}={sizes!r} must be a non-empty list of positive ints")
                 object.__setattr__(self, name, values)
-        if not isinstance(self.emulate_graphs, bool):
-            raise ValueError(f"EngineConfig.emulate_graphs={self.emulate_graphs!r} must be True or False")
+        for name in ("emulate_graphs", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
 
     @property
     def step_tokens(self) -> int:

@@ -1,5 +1,14 @@
 """The engine: requests in, one step at a time (schedule, one forward, sample), tokens out.
 
+Overlapped by default (``EngineConfig.overlap``, as vLLM's async scheduling and SGLang's overlap scheduler): a
+step schedules and launches its batch, then reads the previous step's tokens, which the device computed meanwhile.
+Sampled tokens stay on the device and become the next step's input ids there (``inputs.py``); the host learns
+them one step later (a non-blocking copy into pinned memory and an event), for stops, EOS and streaming. A
+request that stopped has already been given one more decode row: its token is discarded, never emitted, and its
+pages are freed when the stop is known (the device runs the freed pages' next owner after that row). Requests
+that stop by length are not scheduled past their last token. ``overlap=False`` reads each step's tokens in the step
+(the synchronous loop); tokens are the same either way, greedy or seeded.
+
 Example::
 
     engine = Engine(Decoder.random(TINY), EngineConfig(mode="auto", max_num_seqs=8, max_num_batched_tokens=64,
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -23,10 +33,46 @@ from piecegraph.graphs.capture import timed_capture
 from piecegraph.program import describe
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
-from piecegraph.serve.request import Request, SamplingParams
-from piecegraph.serve.sampling import sample
+from piecegraph.serve.inputs import StepInputs, build_inputs
+from piecegraph.serve.request import Request, SamplingParams, Status
+from piecegraph.serve.sampling import sample_on_device
 from piecegraph.serve.scheduler import Batch, Scheduler
 from piecegraph.serve.stats import StepStats, summarize
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read: its batch, the requests of its sampling rows and each
+    one's row in ``tokens`` (device int64), their pinned host copy and the event recorded after that copy (``None``
+    on a CPU), and what :class:`StepStats` records of it so far."""
+
+    batch: Batch
+    sampled: list[Request]
+    index: dict[Request, int]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: Any
+    kind: str
+    padded: int
+    phases: tuple[float, float, float]
+    plan_s: float
+    plans: int
+
+
+def _to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying ``tokens`` to the host without waiting: a pinned buffer and an event after the copy."""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _plan_clock(backend: Any) -> tuple[float, int]:
+    """The attention backend's plan counters (seconds, calls) so far; zeros for a backend without them."""
+    return getattr(backend, "plan_s", 0.0), getattr(backend, "plans", 0)
 
 
 class Engine:
@@ -50,6 +96,7 @@ class Engine:
         self._ids: set[Hashable] = set()  # every id accepted, for uniqueness and abort's KeyError
         self._live: dict[Hashable, Request] = {}  # waiting or running requests by id
         self._counter = itertools.count()
+        self._inflight: InFlight | None = None  # the launched step whose tokens the host has not read yet
         self.device = self.cache.device
         _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
 
@@ -88,8 +135,10 @@ class Engine:
     def abort(self, request_id: Hashable) -> Request | None:
         """Abort a waiting or running request (also mid-prefill or preempted) between steps: its pages are freed at
         once, it leaves the queues and finishes with ``finish_reason == "aborted"`` (its ``output`` is what it had
-        emitted). Returns it; ``None`` when that id had already finished or been aborted (idempotent). Raises
-        ``KeyError`` for an id this engine never accepted. The other requests' tokens do not change."""
+        emitted; a token of it still in flight is discarded). Safe between steps while one is in flight: the
+        freed pages go to later steps, which the device runs after it. Returns it; ``None`` when that id had
+        already finished or been aborted (idempotent). Raises ``KeyError`` for an id this engine never accepted.
+        The other requests' tokens do not change."""
         request = self._live.pop(request_id, None)
         if request is None:
             if request_id in self._ids:
@@ -99,69 +148,94 @@ class Engine:
         return request
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests are queued or running, or a launched step's tokens are still to be read."""
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -- steps ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Run one step; returns the requests it finished (in row order)."""
+        """Run one step; returns the requests whose last token the host learned in it (in row order).
+
+        Overlapped (``config.overlap``): schedule and launch this step, then read the previous step's tokens
+        (its device work ran meanwhile) and finish the requests that stopped there; a stopped request's row in
+        this step is discarded when it resolves. Synchronous: launch, then read this step's own tokens.
+        """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.rows:
+        previous, launched = self._inflight, None
+        if batch.rows:
+            launched = self._launch(batch, previous, start)
+        elif previous is None:
             if self.scheduler.has_work():
                 raise RuntimeError(
                     f"no request fits the KV cache ({self.cache.num_free_pages} pages free, "
                     f"{len(self.cache.sequences())} sequences hold the rest): pages are held outside the engine")
             return []
-        rows = batch.rows
-        scheduled = time.perf_counter()
-        flat = [t for r in rows for t in r.request.token_slice(r.cached, r.cached + r.new)]
-        input_ids = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
-        meta = AttentionMetadata.for_batch(self.cache, [(r.request.id, r.cached, r.new) for r in rows])
-        built = time.perf_counter()
-        hidden, kind, padded = self.executor.run(input_ids, meta)
-        launched = time.perf_counter()  # on a GPU the forward may still run: the host sync is in _sample
-        tokens = self._sample(hidden, batch)
-        now = time.perf_counter()
-        finished = self._advance(batch, tokens, now)
-        phases = (scheduled - start, built - scheduled, launched - built, now - launched)
-        self.steps.append(self._record(batch, kind, padded, phases))
+        self._inflight = launched
+        finished = self._resolve(previous) if previous is not None else []
+        if launched is not None and not self.config.overlap:
+            self._inflight = None
+            finished += self._resolve(launched)
         return finished
 
-    def _sample(self, hidden: torch.Tensor, batch: Batch) -> list[int]:
-        rows = batch.rows
-        ends, offset = [], 0
-        for r in rows:
-            offset += r.new
-            if r.samples:
-                ends.append(offset - 1)
-        if not ends:
-            return []
-        if len(ends) == offset:  # every token is a last token (a decode step): no gather index needed
-            last = hidden[:offset]
-        else:
-            last = hidden[torch.tensor(ends, dtype=torch.int64).to(self.device, non_blocking=True)]
-        return sample(self.model.logits(last), [r.request for r in rows if r.samples])
-
-    def _advance(self, batch: Batch, tokens: list[int], now: float) -> list[Request]:
-        finished, it = [], iter(tokens)
+    def _launch(self, batch: Batch, previous: InFlight | None, start: float) -> InFlight:
+        """Build and launch ``batch`` (forward, sampling, the tokens' copy to the host), then advance the
+        requests as if its tokens were known: their counts include them, in flight."""
+        scheduled = time.perf_counter()
+        plan_clock = _plan_clock(self.cache.backend)
+        prev = (previous.tokens, previous.index) if previous is not None else (None, None)
+        inputs = build_inputs(batch.rows, self.device, *prev)
+        meta = AttentionMetadata.for_batch(self.cache, [(r.request.id, r.cached, r.new) for r in batch.rows])
+        built = time.perf_counter()
+        hidden, kind, padded = self.executor.run(inputs.input_ids, meta)
+        tokens = self._sample(hidden, inputs, batch.num_tokens)
+        host, ready = _to_host(tokens)
+        launched = time.perf_counter()
+        plan_s, plans = (a - b for a, b in zip(_plan_clock(self.cache.backend), plan_clock))
         for r in batch.rows:
             r.request.num_computed += r.new
             if r.samples:
-                r.request.append(next(it), now)
-                if r.request.finish_reason is not None:
-                    self.scheduler.finish(r.request)
-                    self._live.pop(r.request.id, None)
-                    finished.append(r.request)
+                r.request.inflight += 1
+        return InFlight(batch, inputs.sampled, {q: i for i, q in enumerate(inputs.sampled)}, tokens, host, ready,
+                        kind, padded, (scheduled - start, built - scheduled, launched - built), plan_s, int(plans))
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, num_tokens: int) -> torch.Tensor:
+        if not inputs.sampled:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if inputs.last_rows is None:  # every token is a last token (a decode step): no gather index needed
+            last = hidden[:num_tokens]
+        else:
+            last = hidden.index_select(0, inputs.last_rows)
+        return sample_on_device(self.model.logits(last), inputs.sampled)
+
+    def _resolve(self, flight: InFlight) -> list[Request]:
+        """Wait for ``flight``'s tokens on the host and emit them; tokens of requests that finished meanwhile
+        (aborted, or stopped by the step before) are discarded."""
+        waited = time.perf_counter()
+        if flight.ready is not None:
+            flight.ready.synchronize()  # the one intended sync of a step
+        values = flight.host.tolist()
+        now = time.perf_counter()
+        finished = []
+        for request, token in zip(flight.sampled, values):
+            if request.status is Status.FINISHED:
+                continue
+            request.append(token, now)
+            if request.finish_reason is not None:
+                self.scheduler.finish(request)
+                self._live.pop(request.id, None)
+                finished.append(request)
+        phases = (*flight.phases, time.perf_counter() - waited)
+        self.steps.append(self._record(flight, phases))
         return finished
 
-    def _record(self, batch: Batch, kind: str, padded: int, phases: tuple[float, float, float, float]
-                ) -> StepStats:
+    def _record(self, flight: InFlight, phases: tuple[float, float, float, float]) -> StepStats:
+        batch = flight.batch
         decode = sum(1 for r in batch.rows if r.new == 1 and r.cached > 0)
-        return StepStats(kind=kind, is_decode=batch.is_decode, tokens=batch.num_tokens, padded=padded,
+        return StepStats(kind=flight.kind, is_decode=batch.is_decode, tokens=batch.num_tokens, padded=flight.padded,
                          seqs=len(batch.rows), decode_rows=decode, prefill_tokens=batch.num_tokens - decode,
-                         sampled=sum(r.samples for r in batch.rows), preempted=len(batch.preempted),
-                         seconds=sum(phases), phases=phases)
+                         sampled=len(flight.sampled), preempted=len(batch.preempted), seconds=sum(phases),
+                         phases=phases, plan_s=flight.plan_s, plans=flight.plans)
 
     def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
         """Step until no request is left; returns the finished requests in finishing order."""

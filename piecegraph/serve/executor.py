@@ -7,6 +7,9 @@
 | piecewise | piecegraph ``mode="piecewise"`` | the same module |
 | auto | piecegraph ``mode="full"`` (batch bucketed to its sizes) | piecegraph ``mode="piecewise"`` |
 
+In ``auto``, which of the two a pure decode step replays is measured at capture, per full size (on CUDA: a few
+replays of each, timed with CUDA events; the faster wins; :meth:`Executor.report` records both times and the
+choice). Without real graphs to time (CPU, emulated graphs) the rule is full for every size.
 A decode step larger than the largest full size goes to the piecewise module; a step larger than the largest
 piecewise size runs its compiled pieces without graphs (piecegraph's own fallback). In ``auto`` both modules share
 one :class:`piecegraph.GraphPool`. What a step actually did is read from the modules' replay counters, not
@@ -24,7 +27,7 @@ import torch
 import piecegraph
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
-from piecegraph.graphs.capture import timed_capture
+from piecegraph.graphs.capture import capture_batch, timed_capture
 from piecegraph.models.generate import dummy_inputs
 from piecegraph.serve.config import EngineConfig
 
@@ -62,12 +65,15 @@ class Executor:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.model, self.config = model, config
         self.pool = piecegraph.GraphPool()
+        # auto: per full size, the module its decode steps replay and what was measured to choose it
+        self.decode_choice: dict[int, dict[str, Any]] = {}
         mode = config.mode
         if mode == "eager":
             self.mixed = Slot("eager", model)
             self.decode: Slot | None = None
             return
-        common: dict[str, Any] = {"pool": self.pool, "emulate_graphs": config.emulate_graphs}
+        common: dict[str, Any] = {"pool": self.pool, "emulate_graphs": config.emulate_graphs, "progress": False,
+                                  "cache_dir": config.cache_dir, "graph_memory_limit": config.graph_memory_limit}
         if mode == "breakable":
             self.mixed = Slot("breakable", piecegraph.compile(
                 model, mode="breakable", capture_sizes=config.piecewise_sizes, **common), config.piecewise_sizes)
@@ -90,18 +96,31 @@ class Executor:
         """Trace, compile and capture every size of every module now, largest first, on pad-token dummy decode
         steps (scratch page only). The first size of each module also traces and compiles it."""
         done, total = 0, self.num_sizes()
-        for slot in self.slots:
-            if slot.kind == "eager":
-                continue
-            for n in sorted(slot.sizes, reverse=True):
-                if progress:
-                    progress(slot.kind, n, done, total)
-                _, seconds = timed_capture(
-                    lambda m=slot.module, n=n: m.capture(lambda k: dummy_inputs(self.model, cache, k), [n]))
-                slot.wall_s[n] = seconds  # the first size also traces and compiles
-                done += 1
+        with capture_batch():  # one garbage collection for every size, not one per size
+            for slot in self.slots:
+                if slot.kind == "eager":
+                    continue
+                for n in sorted(slot.sizes, reverse=True):
+                    if progress:
+                        progress(slot.kind, n, done, total)
+                    _, seconds = timed_capture(
+                        lambda m=slot.module, n=n: m.capture(lambda k: dummy_inputs(self.model, cache, k), [n]))
+                    slot.wall_s[n] = seconds  # the first size also traces and compiles
+                    done += 1
         if progress and total:
             progress("done", 0, done, total)
+        if self.decode is not None:
+            measured = cache.device.type == "cuda" and not self.config.emulate_graphs
+            self.choose_decode(lambda slot, n: time_replays(slot.module, self.model, cache, n) if measured else None)
+
+    def choose_decode(self, timer: Callable[[Slot, int], float | None]) -> None:
+        """Pick full or piecewise per full size by ``timer(slot, n)`` (ms of one decode step of ``n`` rows;
+        ``None``: not measurable, keep full). Ties go to full."""
+        for n in self.decode.sizes:
+            full, piecewise = timer(self.decode, n), timer(self.mixed, n)
+            pick = "piecewise" if full is not None and piecewise is not None and piecewise < full else "full"
+            self.decode_choice[n] = {"pick": pick, "full_ms": full, "piecewise_ms": piecewise,
+                                     "by": "rule" if full is None or piecewise is None else "measured"}
 
     def num_sizes(self) -> int:
         return sum(len(s.sizes) for s in self.slots if s.kind != "eager")
@@ -117,16 +136,21 @@ class Executor:
                 "sizes": list(stats["sizes"]), "graph_mode": stats["mode"], "pieces": stats.get("pieces"),
                 "capture_s": round(sum(stats["capture_s"].values()), 3),  # warm-up + capture of every size
                 "setup_s": round(sum(slot.wall_s.values()), 3),  # the same, plus prewarm, trace and compile
+                "startup": stats.get("startup"), "graph_memory": stats.get("graph_memory"),
             }
             out["pool_mib"] = max(out["pool_mib"], stats["pool_bytes"] / 2**20)  # one pool, seen by each module
+        if self.decode_choice:
+            out["decode_choice"] = {n: dict(c) for n, c in self.decode_choice.items()}
         return out
 
     # -- one step ---------------------------------------------------------------------------------------
     def pick(self, meta: AttentionMetadata) -> Slot:
-        """Full graphs for a pure decode step within the full sizes, else the mixed module."""
+        """A pure decode step within the full sizes: the module measured faster for its size (full graphs by
+        default); every other step: the mixed module."""
         n = meta.num_tokens
         if self.decode is not None and meta.is_decode and n <= self.decode.sizes[-1]:
-            return self.decode
+            choice = self.decode_choice.get(self.decode.bucket(n))
+            return self.mixed if choice is not None and choice["pick"] == "piecewise" else self.decode
         return self.mixed
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, str, int]:
@@ -140,3 +164,21 @@ class Executor:
         if slot.replays() > before:
             return hidden, slot.kind, slot.bucket(meta.num_tokens)
         return hidden, "none", meta.num_tokens
+
+
+def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, repeats: int = 5) -> float:
+    """Median milliseconds of one decode step of ``n`` pad rows through ``module`` (its graphs, already captured),
+    from CUDA events around each call after one warm call: the stream's time per step, gaps from host launch
+    work included (what a step costs when the host keeps up). Touches the scratch page only."""
+    (ids, positions), meta = dummy_inputs(model, cache, n)
+    times = []
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with forward_context(meta):
+            module(ids, positions)
+        end.record()
+        end.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

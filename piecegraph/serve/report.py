@@ -19,49 +19,80 @@ _COLUMNS = (
 
 
 def table(results: Sequence[dict[str, Any]], title: str) -> Table:
-    """One row per mode and concurrency (ms for latencies); failed modes show their error."""
+    """One row per mode and concurrency (ms for latencies); failed modes show their error. With a GPU-bound
+    estimate (auto on CUDA), its rows and each row's share of it."""
+    bounds = gpu_bounds(results)
     out = Table(title=title)
     for header, _, _ in _COLUMNS:
         out.add_column(header, justify="left" if header == "mode" else "right")
+    out.add_column("of GPU bound", justify="right")
+    blank = ["-"] * (len(_COLUMNS) - 5)  # the estimate's row: mode, conc, reqs, req/s, out tok/s, then these
     for result in results:
         if result.get("error"):
             out.add_row(result["mode"], "-", f"[red]failed: {result['error'][:80]}[/]")
         for row in result["rows"]:
-            out.add_row(*(_fmt(fmt, row.get(key)) for _, key, fmt in _COLUMNS))
+            bound = bounds.get(row["concurrency"])
+            share = row["output_tok_s"] / bound if bound and row.get("output_tok_s") else None
+            out.add_row(*(_fmt(fmt, row.get(key)) for _, key, fmt in _COLUMNS), _fmt("{:.0%}", share))
         ref = result.get("decode_reference")
         if ref:
             out.add_row(f"{result['mode']}: decode-only full-graph loop", "1", "-", *["-"] * 6,
                         *(_fmt("{:.2f}", ref[k]) for k in ("itl_mean_ms", "itl_p50_ms", "itl_p99_ms")), "100%")
+    for c, bound in sorted(bounds.items()):
+        out.add_row("GPU-bound estimate (graph steps back to back)", str(c), "-", "-", f"{bound:.0f}", *blank,
+                    "100%")
     return out
+
+
+def gpu_bounds(results: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Concurrency -> the GPU-bound output tok/s estimated in the sweep (see :mod:`piecegraph.serve.gpu_bound`)."""
+    return {e["concurrency"]: e["gpu_bound_output_tok_s"] for result in results
+            for e in result.get("gpu_bound", ()) if e.get("gpu_bound_output_tok_s")}
 
 
 def capture_table(results: Sequence[dict[str, Any]]) -> Table:
     """What each mode's engine captured at start: sizes, seconds, pool MiB."""
-    out = Table(title="graphs captured at engine start")
-    for header in ("mode", "module", "sizes", "capture s", "setup s (trace + compile + capture)", "pool MiB"):
-        out.add_column(header, justify="left" if header in ("mode", "module", "sizes") else "right")
+    out = Table(title="graphs captured at engine start (auto: which module decode steps replay, per full size)")
+    for header in ("mode", "module", "sizes", "capture s", "setup s (trace + compile + capture)", "pool MiB",
+                   "decode replays"):
+        out.add_column(header, justify="left" if header in ("mode", "module", "sizes", "decode replays") else "right")
     for result in results:
         report = result.get("capture") or {"modules": {}, "pool_mib": 0.0}
         for kind, module in report["modules"].items():
             sizes = module["sizes"]
             shown = f"{len(sizes)}: {sizes[0]}..{sizes[-1]}" if sizes else "none"
+            picks = _picks(report.get("decode_choice", {})) if kind == "full" else ""
             out.add_row(result["mode"], kind, shown, f"{module['capture_s']:.1f}", f"{module['setup_s']:.1f}",
-                        f"{report['pool_mib']:.0f}")
+                        f"{report['pool_mib']:.0f}", picks)
     return out
+
+
+def _picks(choice: dict[Any, dict[str, Any]]) -> str:
+    """``full 10, piecewise 2 (measured)``: how many full sizes replay each module (the JSON's capture report
+    holds both times per size)."""
+    if not choice:
+        return ""
+    counts = {k: sum(c["pick"] == k for c in choice.values()) for k in ("full", "piecewise")}
+    how = sorted({c["by"] for c in choice.values()})
+    return f"full {counts['full']}, piecewise {counts['piecewise']} ({', '.join(how)})"
 
 
 def phase_table(results: Sequence[dict[str, Any]]) -> Table:
     """Where a step's host time goes, per mode, concurrency and graph kind (mean ms per step)."""
     from piecegraph.serve.stats import PHASES
 
-    out = Table(title="mean ms per step by phase (forward_launch is host time; the device wait is in sample_sync)")
-    for header in ("mode", "conc", "kind", "steps", "ms / step", *PHASES):
+    out = Table(title="mean ms per step by phase (forward_launch is host time; the device wait is in sample_sync, "
+                      "overlapped: the previous step's tokens, read while this step runs); plan us: the attention "
+                      "backend's plan, inside metadata or forward_launch")
+    for header in ("mode", "conc", "kind", "steps", "ms / step", *PHASES, "plan us", "plans / step"):
         out.add_column(header, justify="left" if header in ("mode", "kind") else "right")
     for result in results:
         for row in result["rows"]:
             for kind, phases in row.get("phase_ms", {}).items():
+                plan_us, plans = row.get("plan_us", {}).get(kind), row.get("plans_per_step", {}).get(kind)
                 out.add_row(row["mode"], str(row["concurrency"]), kind, str(row["steps_by_kind"][kind]),
-                            f"{row['ms_per_step'][kind]:.2f}", *(f"{phases[p]:.2f}" for p in PHASES))
+                            f"{row['ms_per_step'][kind]:.2f}", *(f"{phases[p]:.2f}" for p in PHASES),
+                            _fmt("{:.0f}", plan_us), _fmt("{:.2f}", plans))
     return out
 
 

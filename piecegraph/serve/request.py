@@ -56,6 +56,10 @@ class Request:
     Times are ``time.perf_counter()`` seconds: ``arrival``, ``first_token`` and each output token's.
     ``finish_reason`` once finished: ``"eos"``, ``"length"`` or ``"aborted"`` (``Engine.abort``: its output is
     whatever it had emitted, a prefix of what it would have emitted).
+
+    ``inflight`` counts output tokens sampled on the device but not yet known to the host (the overlapped engine
+    learns a step's tokens one step later): they count in :attr:`num_tokens` (their k/v are scheduled like any
+    other token), not in :attr:`output` or :attr:`tokens`, which hold only what the host knows.
     """
 
     id: Hashable
@@ -68,6 +72,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     finish_reason: str | None = None
+    inflight: int = 0
 
     @classmethod
     def make(cls, id: Hashable, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -92,10 +97,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        """Prompt and output tokens, the ones still in flight on the device included."""
+        return len(self.prompt) + len(self.output) + self.inflight
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, known to the host or not: the index of the next one."""
+        return len(self.output) + self.inflight
+
+    @property
+    def fully_scheduled(self) -> bool:
+        """Every token up to ``max_new_tokens`` is sampled (some may be in flight): nothing left to schedule,
+        it finishes when the host learns its last token."""
+        return self.num_generated >= self.params.max_new_tokens
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """``tokens[start:stop]`` without building the whole list (a decode row reads one token)."""
+        """``tokens[start:stop]`` without building the whole list (a decode row reads one token); host-known
+        tokens only (``stop`` at most ``len(prompt) + len(output)``)."""
         p = len(self.prompt)
         if start >= p:
             return self.output[start - p:stop - p]
@@ -120,7 +138,10 @@ class Request:
         return self.token_times[0] if self.token_times else None
 
     def append(self, token: int, now: float) -> None:
-        """Record an output token; finishes the request on EOS or at ``max_new_tokens``."""
+        """Record an output token (the oldest in flight, if any); finishes the request on EOS or at
+        ``max_new_tokens``."""
+        if self.inflight:
+            self.inflight -= 1
         self.output.append(token)
         self.token_times.append(now)
         if self.params.eos_token_id is not None and token == self.params.eos_token_id:

@@ -11,12 +11,14 @@ from piecegraph.serve.request import Request
 _SEED_STRIDE = 1_000_003  # a prime: (seed, token index) pairs map to distinct generator seeds
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """One token per row of ``logits`` ``[rows, vocab]`` (row ``i`` for ``requests[i]``), as host ints.
+def sample_on_device(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """One token per row of ``logits`` ``[rows, vocab]`` (row ``i`` for ``requests[i]``), int64 on the logits'
+    device: nothing is read back to the host, so the caller decides when to wait for them.
 
     Greedy rows take the argmax. A sampled row draws from ``softmax(logits / temperature)`` with a generator
-    seeded by the request's seed and the index of the token it emits, so its tokens do not depend on the batch
-    or on preemptions. One host transfer for the whole step.
+    seeded by the request's seed and the index of the token it emits (:attr:`Request.num_generated`, which counts
+    tokens still in flight), so its tokens do not depend on the batch, on preemptions or on whether the engine
+    overlaps its steps.
     """
     tokens = logits.argmax(-1)
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -25,7 +27,15 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         for i in sampled:
             request = requests[i]
             gen = torch.Generator(device=logits.device)
-            gen.manual_seed(request.params.seed * _SEED_STRIDE + len(request.output))
+            gen.manual_seed(request.params.seed * _SEED_STRIDE + request.num_generated)
             probs = torch.softmax(logits[i].float() / request.params.temperature, dim=-1)
-            tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
-    return tokens.tolist()
+            # multinomial(probs, 1)'s own draw (exponential race, argmax) without its validity check, which
+            # reads max/min back to the host: a device sync per sampled row
+            race = torch.empty_like(probs).exponential_(1, generator=gen)
+            tokens[i:i + 1] = (probs / race).argmax(-1, keepdim=True)
+    return tokens
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """:func:`sample_on_device`, as host ints (one transfer for the whole step: a sync on a GPU)."""
+    return sample_on_device(logits, requests).tolist()

@@ -6,6 +6,12 @@ budget, ``max_num_seqs`` and the free pages allow. A running request whose pages
 newest running request (its pages freed, back to the front of the waiting queue, recomputed later), repeatedly,
 down to preempting itself. Pages are reserved here, before the step's metadata is built, so building it never
 runs out of pages. Requests are never lost or duplicated: each is in exactly one of waiting, running, finished.
+
+Overlapped steps (the engine schedules step k+1 before the host knows step k's tokens): a request's tokens in
+flight count as tokens to compute (a decode row's input is the previous step's token, still on the device); a
+request whose every output is sampled (:attr:`Request.fully_scheduled`) is skipped while its last tokens are in
+flight; a waiting request is admitted only once none of its tokens is in flight (a preempted request is
+prefilled again from host tokens).
 """
 
 from __future__ import annotations
@@ -78,9 +84,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request: Request) -> None:
-        """Take a finished request out of the running queue and release its pages."""
-        self.running.remove(request)
-        request.status = Status.FINISHED
+        """Take a finished request out of its queue (running; waiting when it was preempted while its last token
+        was in flight) and release its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status, request.inflight = Status.FINISHED, 0
         self._release(request.id)
 
     def abort(self, request: Request) -> None:
@@ -92,7 +102,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        request.status, request.finish_reason = Status.FINISHED, "aborted"
+        request.status, request.finish_reason, request.inflight = Status.FINISHED, "aborted", 0
         self._release(request.id)
         self.num_aborted += 1
 
@@ -103,6 +113,8 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request.status is not Status.RUNNING:
                 break
+            if request.fully_scheduled:
+                continue  # its last token is in flight: it finishes when the host learns it
             new = min(request.pending, budget)
             if not self._grow(request, request.num_computed + new, batch):
                 break  # preempted itself: every request after it was preempted first
@@ -110,6 +122,8 @@ class Scheduler:
             budget -= new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             request = self.waiting[0]
+            if request.inflight:
+                break  # preempted with a token in flight: prefilled again once the host knows it (next step)
             new = min(request.pending, budget)
             if self._pages_needed(request.id, request.num_computed + new) > self.cache.num_free_pages:
                 break

@@ -21,7 +21,10 @@ class StepStats:
     ``sampled`` rows that emitted a token, ``preempted`` requests preempted while scheduling it, ``seconds`` wall
     time from scheduling to the tokens on the host, split into ``phases`` (:data:`PHASES`: scheduling; input ids
     and metadata, the backend's plan included; the forward call on the host, which on a GPU only launches; logits,
-    sampling and the host sync that waits for the device).
+    sampling and the host sync that waits for the device; overlapped, that is the wait for this step's tokens one
+    step later, while the next step runs). ``plan_s`` / ``plans``: the attention backend's planning seconds and
+    plan calls in this step (FlashInfer ``plan()``; the torch backend's mask and index layout), part of the
+    metadata or launch phase.
     """
 
     kind: str
@@ -35,6 +38,8 @@ class StepStats:
     preempted: int
     seconds: float
     phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    plan_s: float = 0.0
+    plans: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,9 +52,13 @@ def summarize(steps: Sequence[StepStats]) -> dict[str, Any]:
     padded = sum(s.padded for s in steps)
     ms: dict[str, float] = {}
     phase_ms: dict[str, dict[str, float]] = {}
+    plan_us: dict[str, float] = {}
+    plans: dict[str, float] = {}
     for kind in kinds:
         mine = [s for s in steps if s.kind == kind]
         ms[kind] = round(1e3 * sum(s.seconds for s in mine) / len(mine), 4)
+        plan_us[kind] = round(1e6 * sum(s.plan_s for s in mine) / len(mine), 2)
+        plans[kind] = round(sum(s.plans for s in mine) / len(mine), 3)
         phase_ms[kind] = {name: round(1e3 * sum(s.phases[i] for s in mine) / len(mine), 4)
                           for i, name in enumerate(PHASES)}
     return {
@@ -62,4 +71,7 @@ def summarize(steps: Sequence[StepStats]) -> dict[str, Any]:
         "preempted": sum(s.preempted for s in steps),
         "ms_per_step": ms,
         "phase_ms": phase_ms,  # mean host ms per phase of a step, by kind: where a step's time goes
+        "plan_us": plan_us,  # mean attention-plan microseconds per step, by kind
+        "plans_per_step": plans,  # mean backend plan calls per step, by kind (FlashInfer: at most 1)
+        "max_plans_per_step": max((s.plans for s in steps), default=0),
     }

@@ -1,7 +1,9 @@
 """Every mode at every concurrency: one engine per mode (graphs captured once), a warm-up, then the loops.
 
 Modes run one after another in one process; each engine is dropped (and Dynamo reset) before the next, so
-each starts alike. A mode that fails to start or run is recorded with its error and the sweep goes on.
+each starts alike. A mode that fails to start or run is recorded with its error and the sweep goes on. A mode is
+an engine mode (overlapped steps, the engine's default) or ``auto-sync``: ``auto`` with the synchronous loop
+(``EngineConfig.overlap=False``), the baseline row of the overlapped engine.
 """
 
 from __future__ import annotations
@@ -15,17 +17,32 @@ from typing import Any, Callable, Sequence
 import torch
 
 from piecegraph.serve.bench import Workload, decode_reference, measure, requests_for
-from piecegraph.serve.config import EngineConfig
+from piecegraph.serve.config import ENGINE_MODES, EngineConfig
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.executor import Progress
+from piecegraph.serve.gpu_bound import engine_timer, estimate
+
+SYNC_SUFFIX = "-sync"
+BENCH_MODES = (*ENGINE_MODES, "auto" + SYNC_SUFFIX)
+
+
+def engine_config(mode: str, base: EngineConfig) -> EngineConfig:
+    """The engine config of a bench mode: ``base`` with its engine mode, and ``overlap=False`` for a ``-sync``
+    mode. Raises ``ValueError`` naming the known modes for any other name."""
+    if mode not in BENCH_MODES:
+        raise ValueError(f"serve-bench mode {mode!r} is not one of {BENCH_MODES}")
+    if mode.endswith(SYNC_SUFFIX):
+        return base.replace(mode=mode.removesuffix(SYNC_SUFFIX), overlap=False)
+    return base.replace(mode=mode)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What the sweep runs: modes, concurrencies, request counts (``counts[c]``, else
     :func:`~piecegraph.serve.bench.requests_for` of ``rounds``, ``min_requests``, ``max_requests``), the workload,
-    the engine's config (its ``mode`` replaced per mode), warm-up requests per mode, and whether to time the
-    decode-only full-graph reference loop (in ``auto``)."""
+    the engine's config (its ``mode`` replaced per mode), warm-up requests per mode, whether to time the
+    decode-only full-graph reference loop (in ``auto``) and whether to estimate what the GPU allows per
+    concurrency (in ``auto``, on CUDA: :mod:`piecegraph.serve.gpu_bound`)."""
 
     modes: tuple[str, ...]
     concurrencies: tuple[int, ...]
@@ -37,6 +54,7 @@ class Plan:
     max_requests: int = 1024
     warmup: int = 2
     reference: bool = True
+    gpu_bound: bool = True
 
     def num_requests(self, concurrency: int) -> int:
         if concurrency in self.counts:
@@ -48,25 +66,44 @@ def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str],
              progress: Callable[[str], Progress | None]) -> dict[str, Any]:
     """One mode: start the engine (timed), warm up, every concurrency, then the reference loop in ``auto``."""
     vocab = model.config.vocab_size
-    engine = Engine(model, plan.engine.replace(mode=mode), progress=progress(mode))
+    engine = Engine(model, engine_config(mode, plan.engine), progress=progress(mode))
     result: dict[str, Any] = {"mode": mode, "capture": engine.capture_report(), "rows": []}
     log(f"{mode}: engine ready in {engine.setup_s:.1f} s ({_captured(result['capture'])})")
     if plan.warmup:
         warm = Workload(min(plan.workload.input_len, 64), min(plan.workload.output_len, 8), 0.0, plan.workload.seed)
         measure(engine, warm.requests(plan.warmup, vocab, salt=-1), plan.warmup)
+    works = {}
     for c in plan.concurrencies:
-        work = plan.workload.requests(plan.num_requests(c), vocab, salt=c)
+        work = works[c] = plan.workload.requests(plan.num_requests(c), vocab, salt=c)
         row = measure(engine, work, c)
         result["rows"].append({"mode": mode, **row})
         log(f"{mode} c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} "
             f"output tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms, "
             f"graphs {row['graph_share']:.0%} of {row['steps']} steps")
-    if plan.reference and engine.executor.decode is not None:
+    if plan.reference and engine.executor.decode is not None and not mode.endswith(SYNC_SUFFIX):
         ref = decode_reference(engine, plan.workload.input_len, min(plan.workload.output_len, 128))
         result["decode_reference"] = ref
         log(f"{mode}: decode-only full-graph loop ITL p50 {ref['itl_p50_ms']:.2f} ms")
+    if plan.gpu_bound and mode == "auto" and engine.cache.device.type == "cuda":
+        result["gpu_bound"] = _gpu_bound(engine, works, plan, log)
     result["capture"] = engine.capture_report()  # pool MiB after the runs too (FlashInfer plans may add)
     return result
+
+
+def _gpu_bound(engine: Engine, works: dict[int, Any], plan: Plan, log: Callable[[str], None]
+               ) -> list[dict[str, Any]]:
+    """The GPU-bound estimate per concurrency (an error is logged and leaves the list short: it is a side note)."""
+    timer, out = engine_timer(engine), []
+    for c, work in works.items():
+        try:
+            out.append(estimate(work, c, timer, plan.engine.max_num_batched_tokens))
+        except Exception as exc:  # noqa: BLE001  (an estimate must not lose the measured rows)
+            log(f"GPU-bound estimate at c={c} failed: {type(exc).__name__}: {exc}")
+            continue
+        log(f"c={c}: GPU-bound estimate {out[-1]['gpu_bound_output_tok_s']:.0f} output tok/s (decode step "
+            f"{out[-1]['decode_step_ms']:.3f} ms x {out[-1]['decode_rows']} rows at context {out[-1]['context']}, "
+            f"prefill {out[-1]['prefill_us_per_token']:.2f} us/token)")
+    return out
 
 
 def _captured(report: dict[str, Any]) -> str:

@@ -181,3 +181,46 @@ def test_full_mode_refuses_a_prefill_step_with_a_clear_error():
     meta = AttentionMetadata.for_batch(cache, [(0, 0, 3), (1, 0, 2)])
     with forward_context(meta), pytest.raises(ValueError, match="pure decode steps only.*piecewise"):
         graphed(torch.arange(5), meta.positions)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40)), min_size=1, max_size=30),
+       page_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
+def test_device_page_table_mirrors_the_host_tables_and_gathers_the_same_layouts(ops, page_size, seed):
+    """Random grows and frees (length 0 = free): the device table, updated incrementally, equals the host page
+    lists row by row (scratch elsewhere, row 0 all scratch); a decode step's gathered dense table and FlashInfer's
+    gathered CSR ``kv_indices`` equal the ones built from the host lists."""
+    from piecegraph.attention.backends.flashinfer import _page_layout
+
+    cache = _shuffled_cache(num_pages=40, page_size=page_size, seed=seed)
+    lengths: dict = {}
+    for seq, length in ops:
+        if length == 0 or length < lengths.get(seq, 0):
+            if seq in lengths:
+                cache.free(seq)
+                del lengths[seq]
+            continue
+        try:
+            cache.reserve([(seq, length)])
+        except OutOfPagesError:
+            continue
+        lengths[seq] = length
+    table = cache.device_table()
+    assert (table[0] == 0).all()
+    for seq in lengths:
+        pages = cache.page_table(seq)
+        row = table[cache.slot(seq)].tolist()
+        assert row == pages + [0] * (cache.max_pages_per_seq - len(pages)), seq
+    assert sorted(cache.slot(s) for s in lengths) == sorted({cache.slot(s) for s in lengths})  # distinct rows
+    if not lengths:
+        return
+    meta = AttentionMetadata.for_decode(cache, [(seq, n - 1) for seq, n in lengths.items()])
+    want = [cache.page_table(s) + [0] * (cache.max_pages_per_seq - len(cache.page_table(s))) for s in lengths]
+    assert meta.page_table.tolist() == want and meta.page_table.dtype == torch.int64
+    layout = meta.layout
+    host_pages = layout.__class__(layout.seq_ids, layout.num_new, layout.kv_lens,
+                                  tuple(cache.page_table(s) for s in layout.seq_ids), page_size)  # no slots
+    gathered, _ = _page_layout(layout, cache.device, table=cache.device_table())
+    built, _ = _page_layout(host_pages, cache.device)
+    for name in ("kv_indices", "kv_indptr", "kv_last_page_len", "batch_indices", "append_positions"):
+        assert torch.equal(gathered[name], built[name]), name

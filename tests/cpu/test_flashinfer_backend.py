@@ -199,3 +199,29 @@ def test_forward_refuses_a_dtype_the_cache_was_not_planned_for():
     q, k, v = (torch.randn(3, h * CFG.head_dim, dtype=torch.float64) for h in (6, 2, 2))
     with forward_context(meta), pytest.raises(ValueError, match="q is torch.float64 but the KV cache is torch.float32"):
         torch.ops.piecegraph_models.attention(q, k, v, torch.empty_like(q), 0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_engine_on_flashinfer_plans_at_most_once_per_step_and_equals_torch(overlap):
+    """The serving engine (auto: full graphs for decode, piecewise otherwise, preemption) on the FlashInfer
+    backend: every request's tokens equal torch eager greedy decoding alone, and each step plans a wrapper once
+    (the eager one lazily, or the graph size's), which the step stats report."""
+    from piecegraph.attention.backends.flashinfer import FlashInferBackend
+    from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+    model = Decoder.random(CFG, seed=1).eval()
+    rng = random.Random(4)
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    want = [generate(model, [p], 6)[0] for p in prompts]
+    cache = KVCache(CFG, 12, 4, max_seq_len=32, backend="torch")
+    cache.backend = FlashInferBackend(CFG, "cpu")
+    config = EngineConfig(mode="auto", max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32,
+                          decode_sizes=(1, 2, 4), prefill_sizes=(4, 8, 16), compiler="eager", emulate_graphs=True,
+                          overlap=overlap)
+    engine = Engine(model, config, cache=cache)
+    cache.backend.plans = 0  # capture planned each size once
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=6)) == want
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and {"full", "piecewise"} <= set(stats["by_kind"])
+    assert all(s.plans == 1 for s in engine.steps) and stats["max_plans_per_step"] == 1
+    assert cache.backend.plans == len(engine.steps) and all(s.plan_s > 0 for s in engine.steps)

@@ -120,6 +120,24 @@ def test_auto_engine_reports_what_it_captured(model):
     assert engine.executor.mixed.module.config.pool is engine.executor.decode.module.config.pool
 
 
+def test_auto_replays_the_decode_module_measured_faster_per_size(model, expected):
+    """On CPU the rule (full everywhere) is recorded; a timer that finds piecewise faster at size 2 makes decode
+    steps of 2 rows replay piecewise graphs and size 1 keep full graphs, with the same tokens."""
+    engine = Engine(model, _config("auto", num_pages=15))
+    choice = engine.capture_report()["decode_choice"]
+    assert {n: c["pick"] for n, c in choice.items()} == {1: "full", 2: "full"}
+    assert all(c["by"] == "rule" and c["full_ms"] is None for c in choice.values())
+    times = {("full", 1): 1.0, ("piecewise", 1): 2.0, ("full", 2): 3.0, ("piecewise", 2): 2.5}
+    engine.executor.choose_decode(lambda slot, n: times[slot.kind, n])
+    choice = engine.capture_report()["decode_choice"]
+    assert choice[2] == {"pick": "piecewise", "full_ms": 3.0, "piecewise_ms": 2.5, "by": "measured"}
+    assert choice[1]["pick"] == "full"
+    assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW)) == expected
+    decode = [s for s in engine.steps if s.is_decode and s.tokens <= 2]
+    assert {s.kind for s in decode if s.tokens == 1} == {"full"}
+    assert {s.kind for s in decode if s.tokens == 2} == {"piecewise"}
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
     engine = Engine(model, _config("eager", num_pages=15))
     params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, seed=s) for s in range(len(PROMPTS))]
@@ -252,18 +270,22 @@ def test_closed_loop_keeps_the_concurrency():
 def test_serve_bench_smoke_on_cpu(tmp_path):
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     result = CliRunner().invoke(app, [
-        "serve-bench", "--device", "cpu", "--model", "tiny", "--modes", "eager,auto", "--concurrency", "1,3",
+        "serve-bench", "--device", "cpu", "--model", "tiny", "--modes", "eager,auto,auto-sync", "--concurrency", "1,3",
         "--requests", "2,4", "--input-len", "12", "--output-len", "4", "--max-batched-tokens", "32",
         "--compiler", "eager", "--warmup", "1", "--json", str(out), "--plot", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     modes = {m["mode"]: m for m in data["modes"]}
-    assert set(modes) == {"eager", "auto"} and png.stat().st_size > 0
+    assert set(modes) == {"eager", "auto", "auto-sync"} and png.stat().st_size > 0
+    assert [m["rows"][0]["overlap"] for m in data["modes"]] == [True, True, False]
+    assert "decode_reference" not in modes["auto-sync"]  # the same loop as auto's: timed once
     for m in modes.values():
         assert [r["concurrency"] for r in m["rows"]] == [1, 3]
         assert [r["requests"] for r in m["rows"]] == [2, 4]
         assert all(r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 for r in m["rows"])
-    assert all(r["graph_share"] == 1.0 for r in modes["auto"]["rows"])
+    assert all(r["graph_share"] == 1.0 for r in modes["auto"]["rows"] + modes["auto-sync"]["rows"])
+    assert all(r["max_plans_per_step"] == 1 and r["plan_us"] for r in modes["auto"]["rows"])  # torch: 1 plan/step
+    assert "plan us" in result.output and "decode replays" in result.output
     assert all(r["graph_share"] == 0.0 for r in modes["eager"]["rows"])
     assert modes["auto"]["decode_reference"]["itl_p50_ms"] > 0
     assert modes["auto"]["capture"]["modules"]["full"]["sizes"][-1] == 3
@@ -274,3 +296,41 @@ def test_demo_engine_on_cpu():
     assert result.exit_code == 0, result.output
     assert "graphed tokens equal eager tokens" in result.output
     assert "full" in result.output and "piecewise" in result.output
+
+
+def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
+    """The estimate's arithmetic on a known timer (one request alone: P prompt tokens at the prefill rate, then
+    O - 1 decode steps), and its engine timer's bookkeeping on CPU with stand-in CUDA events: it times the
+    module the engine would pick and frees every page it took."""
+    from piecegraph.serve.gpu_bound import engine_timer, estimate
+
+    def timer(kind, n, context):
+        return 2.0 if kind == "decode" else 0.5 * n  # 2 ms a decode step, 0.5 ms a prefill token
+
+    got = estimate([([1] * 30, 9)], 1, timer, budget=16)
+    assert got["gpu_bound_output_tok_s"] == pytest.approx(9 / ((30 * 0.5 + 8 * 2.0) / 1e3))
+    assert estimate([([1] * 30, 9)] * 4, 2, timer, 16)["decode_rows"] == 2
+
+    class Event:  # CUDA events stand-in: elapsed is wall time between records
+        def __init__(self, **kwargs):
+            self.t = None
+
+        def record(self):
+            import time
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    engine = Engine(model, _config("auto", num_pages=15))
+    picked = []
+    pick = engine.executor.pick
+    monkeypatch.setattr(engine.executor, "pick", lambda meta: picked.append(pick(meta).kind) or pick(meta))
+    time_step = engine_timer(engine, repeats=2)
+    assert time_step("decode", 2, 10) > 0 and time_step("prefill", 8, 0) > 0 and time_step("decode", 4, 5) > 0
+    assert picked == ["full", "piecewise", "piecewise"]  # 4 decode rows: above the full sizes (1, 2)
+    assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1

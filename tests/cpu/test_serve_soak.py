@@ -3,7 +3,10 @@ aborts of in-flight requests, invalid requests interleaved and a page budget tha
 request's tokens equal its greedy tokens alone (aborted ones: a prefix of them); every page is free at the end;
 each refused request's error names why; no step raises.
 
-CI runs 2,000 requests on one seed and 300 on another; ``PIECEGRAPH_SOAK=N`` makes the first run N requests."""
+Both engines soak: the overlapped one (the default: step k+1 launched before step k's tokens are read) on 2,000
+requests of one seed and 300 of another, the synchronous one (``overlap=False``) on 600 and 300, fewer to keep CI
+fast (its code path is the overlapped one with the read moved into the same step). ``PIECEGRAPH_SOAK=N`` makes the
+first run N requests."""
 
 import os
 import random
@@ -14,7 +17,8 @@ from piecegraph.models import TINY, Decoder, generate
 from piecegraph.serve import Engine, EngineConfig, SamplingParams, Status
 
 SOAK_REQUESTS = int(os.environ.get("PIECEGRAPH_SOAK", "2000"))
-RUNS = ((0, SOAK_REQUESTS), (1, 300))  # (seed, requests): about 11 s and 2 s on a 2-core CPU
+# (overlap, seed, requests): about 11 s, 2 s, 3 s and 2 s on a 2-core CPU
+RUNS = ((True, 0, SOAK_REQUESTS), (True, 1, 300), (False, 2, 600), (False, 1, 300))
 POOL = 24  # distinct prompts: references are computed once per prompt
 MAX_NEW = 12
 LONGEST = 40
@@ -53,8 +57,8 @@ def test_the_cut_reference_is_generate_with_eos(model, pool):
         assert generate(model, [prompts[i]], 9, eos_token_id=eos)[0] == _want(full[i], 9, eos)
 
 
-def _engine(model):
-    config = EngineConfig(mode="auto", max_num_seqs=6, max_num_batched_tokens=24, num_pages=NUM_PAGES,
+def _engine(model, overlap=True):
+    config = EngineConfig(mode="auto", overlap=overlap, max_num_seqs=6, max_num_batched_tokens=24, num_pages=NUM_PAGES,
                           page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN, decode_sizes=(1, 2, 4),
                           prefill_sizes=(1, 2, 4, 8, 16), compiler="eager", emulate_graphs=True)
     return Engine(model, config)
@@ -132,9 +136,9 @@ def soak(engine, pool, n_requests, seed):
     return submitted, aborted, finished
 
 
-@pytest.mark.parametrize(("seed", "n_requests"), RUNS)
-def test_fault_soak(model, pool, seed, n_requests):
-    engine = _engine(model)
+@pytest.mark.parametrize(("overlap", "seed", "n_requests"), RUNS)
+def test_fault_soak(model, pool, overlap, seed, n_requests):
+    engine = _engine(model, overlap)
     submitted, aborted, finished = soak(engine, pool, n_requests, seed)
     assert len(submitted) == n_requests and aborted, "the workload was meant to abort some requests"
     ids = [r.id for r in finished]
@@ -149,6 +153,7 @@ def test_fault_soak(model, pool, seed, n_requests):
             assert request.finish_reason == ("eos" if eos is not None and want[-1] == eos else "length"), rid
     assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine._live
+    assert not engine.has_work() and all(r.inflight == 0 for r, _ in submitted.values())
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["aborted"] == len(aborted)
     assert any(s.decode_rows and s.prefill_tokens for s in engine.steps), "no mixed prefill + decode step"
@@ -163,13 +168,14 @@ def _step_until(engine, done, ready):
     raise AssertionError("the state was never reached")
 
 
-def test_abort_in_every_state_frees_pages_at_once_and_keeps_the_others_tokens(model, pool):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_in_every_state_frees_pages_at_once_and_keeps_the_others_tokens(model, pool, overlap):
     """Abort a waiting request, one mid-prefill (chunked), one decoding and one preempted (waiting to be
     recomputed): each leaves the queues with its pages freed at once and an ``"aborted"`` reason; the rest finish
     with their greedy tokens; a second abort is a no-op and an unknown id raises ``KeyError`` naming it."""
     prompts, full = pool
     engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=4, max_num_batched_tokens=8, num_pages=14,
-                                        page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN))
+                                        page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN, overlap=overlap))
     long = max(range(POOL), key=lambda i: len(prompts[i]))
     reqs = {i: engine.add_request(prompts[i], SamplingParams(max_new_tokens=MAX_NEW), id=i) for i in range(6)}
     reqs["long"] = engine.add_request(prompts[long], SamplingParams(max_new_tokens=MAX_NEW), id="long")

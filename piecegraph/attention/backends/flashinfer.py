@@ -3,7 +3,10 @@
 ``plan`` (host, once per step; lazily, at the step's first attention call, so a step replaying a full graph
 skips it) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout
 (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) plus, for the cache write, each new token's
-batch index and position; the device half goes in one packed copy. A pure decode step plans a
+batch index and position; the device half goes in one packed copy. ``kv_indices`` is gathered on the device
+from the cache's persistent page table (:meth:`KVCache.device_table`) by each row's slot, so a step sends O(rows)
+ints whatever its context; ``plan()``'s host arguments (indptr, last page lengths) go in pinned memory, since
+``plan()`` copies them to the device and a copy from pageable memory waits for the stream. A pure decode step plans a
 ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores); anything else (prefill, mixed, chunked-prefill
 continuation) a causal ``BatchPrefillWithPagedKVCacheWrapper`` (FlashInfer aligns the causal mask bottom-right,
 which is where a step's new tokens sit). ``forward`` is ``append_paged_kv_cache`` then ``wrapper.run``.
@@ -49,6 +52,7 @@ scratch page only.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +122,7 @@ class FlashInferBackend:
         self._prefill = _Slot(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
         self._graphs: dict[int, _Graph] = {}
         self.replans = 0
+        self.plans, self.plan_s = 0, 0.0  # wrapper plan() calls and their host seconds (the engine reports both)
         try:  # private helper, so best effort: without it the first run() must not be a capture
             from flashinfer.utils import _get_cache_alibi_slopes_buf
 
@@ -139,7 +144,7 @@ class FlashInferBackend:
             raise RuntimeError("flashinfer attention: a step's first attention call is being captured, but "
                                "FlashInfer plans on the host first; run the step once before capturing it")
         cache, decode = meta.cache, meta.is_decode
-        dev, cpu = _page_layout(plan.layout, cache.device)
+        dev, cpu = _page_layout(plan.layout, cache.device, table=_device_table(cache))
         meta.batch_indices, meta.append_positions = dev["batch_indices"], dev["append_positions"]
         head = () if decode else (cpu["qo_indptr"],)
         plan.args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
@@ -158,9 +163,12 @@ class FlashInferBackend:
     def _plan_on(self, slot: _Slot, args: tuple, kwargs: dict) -> None:
         # plan() rewrites the wrapper's pinned host buffer and copies it to the GPU asynchronously: if the copy of
         # the previous plan has not run yet (host a step ahead), overwriting it would corrupt that step.
+        start = time.perf_counter()
         if slot.planned is not None and not slot.planned.query():
             slot.planned.synchronize()
         slot.wrapper.plan(*args, **kwargs)
+        self.plans += 1
+        self.plan_s += time.perf_counter() - start
         if self._cuda:
             if slot.planned is None:
                 slot.planned = torch.cuda.Event()
@@ -194,9 +202,9 @@ class FlashInferBackend:
         padded = BatchLayout(
             seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(1,) * size,
             kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
-            page_size=layout.page_size,
+            page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
         )
-        dev, cpu = _page_layout(padded, cache.device, append_only=True)
+        dev, cpu = _page_layout(padded, cache.device, append_only=True, table=_device_table(cache))
         args = (cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         self._plan_graph(graph.plan.slot, size, args, self._options(cache))
         view = meta.replace(
@@ -267,6 +275,12 @@ class FlashInferBackend:
             out.copy_(target)
 
 
+def _device_table(cache: PagedCache) -> torch.Tensor | None:
+    """The cache's device page table (pending page changes flushed), or ``None`` for a cache without one."""
+    table = getattr(cache, "device_table", None)
+    return table() if table is not None else None
+
+
 def _layout(meta: AttentionMetadata) -> BatchLayout:
     if meta.layout is None:
         raise ValueError("flashinfer attention needs the step's BatchLayout (meta.layout): build the metadata "
@@ -274,28 +288,52 @@ def _layout(meta: AttentionMetadata) -> BatchLayout:
     return meta.layout
 
 
-def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = False
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = False,
+                 table: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """FlashInfer's page layout of ``layout``: int32 device tensors (the cache write's, in one packed copy)
     and int32 CPU tensors (what ``plan()`` reads on the host). ``append_only``: no device indptr/last_page_len
-    (a graph's live in its wrapper's fixed buffers)."""
+    (a graph's live in its wrapper's fixed buffers). ``table``: the cache's device page table; with it (and
+    ``layout.slots``) ``kv_indices`` is gathered on the device, so the host sends O(rows) ints, not every page."""
     ps = layout.page_size
-    qo_indptr, kv_indptr, indices, last, batch, positions = [0], [0], [], [], [], []
-    for b, (new, kv, pages) in enumerate(zip(layout.num_new, layout.kv_lens, layout.pages)):
+    gather = table is not None and layout.slots is not None
+    qo_indptr, kv_indptr, indices, last, batch, positions, used_pages = [0], [0], [], [], [], [], []
+    for b, (new, kv) in enumerate(zip(layout.num_new, layout.kv_lens)):
         used = pages_for(kv, ps)  # a table may hold pages reserved for later tokens; FlashInfer must not see them
-        indices += pages[:used]
+        if not gather:
+            indices += layout.pages[b][:used]
+        used_pages.append(used)
         qo_indptr.append(qo_indptr[-1] + new)
         kv_indptr.append(kv_indptr[-1] + used)
         last.append(kv - (used - 1) * ps)
         batch += [b] * new
         positions += range(kv - new, kv)
-    host = {"batch_indices": batch, "append_positions": positions, "kv_indices": indices}
+    host = {"batch_indices": batch, "append_positions": positions}
+    if gather:
+        host.update(slots=list(layout.slots), used=used_pages, starts=kv_indptr[:-1])
+    else:
+        host["kv_indices"] = indices
     if not append_only:
         host.update(kv_indptr=kv_indptr, kv_last_page_len=last)
     cpu = host_tensor([*qo_indptr, *kv_indptr, *last], torch.int32)
+    if device.type == "cuda":  # plan() copies these to the device: from pageable memory that waits for the stream
+        cpu = cpu.pin_memory()
     b1 = len(qo_indptr)
     views = {"qo_indptr": cpu[:b1], "kv_indptr": cpu[b1:2 * b1], "kv_last_page_len": cpu[2 * b1:]}
-    return to_device(host, device, dtype=torch.int32), views
+    dev = to_device(host, device, dtype=torch.int32)
+    if gather:
+        dev["kv_indices"] = _gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
+                                            kv_indptr[-1])
+    return dev, views
+
+
+def _gather_indices(table: torch.Tensor, slots: torch.Tensor, used: torch.Tensor, starts: torch.Tensor,
+                    total: int) -> torch.Tensor:
+    """CSR ``kv_indices`` (int32 ``[total]``) from the device page table: row ``b`` contributes the first
+    ``used[b]`` pages of table row ``slots[b]``. Device ops only; ``output_size`` keeps repeat_interleave from
+    reading the repeats back (a sync)."""
+    rows = torch.repeat_interleave(slots.long(), used, output_size=total)
+    cols = torch.arange(total, device=table.device) - torch.repeat_interleave(starts.long(), used, output_size=total)
+    return table[rows, cols]
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:

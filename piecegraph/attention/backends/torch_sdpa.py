@@ -13,6 +13,7 @@ a full graph) attends everything on the scratch page and stays finite.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +52,16 @@ class TorchBackend:
     def __init__(self, config: CacheShape) -> None:
         self.group = config.num_heads // config.num_kv_heads
         self.scale = config.head_dim ** -0.5
+        self.plans, self.plan_s = 0, 0.0  # plan calls and their host seconds (the engine reports both)
 
     # -- planning (host, once per step) -----------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> None:
+        start = time.perf_counter()
+        self._plan(meta)
+        self.plans += 1
+        self.plan_s += time.perf_counter() - start
+
+    def _plan(self, meta: AttentionMetadata) -> None:
         cache = meta.cache
         if meta.is_decode:
             length = cache.max_pages_per_seq * cache.page_size

@@ -1,0 +1,72 @@
+"""What the GPU allows for a serve-bench workload: the engine's own graph step times, enqueued back to back so
+the host's launch work hides behind the device, summed over the steps the workload needs.
+
+An estimate, for the issue's target (auto >= 60% of it), not a measurement of a run: decode steps are timed at
+the workload's mean context (prompt + half the output) with ``min(concurrency, requests)`` rows; prefill at the
+per-step token budget, per token. The bench's ``baked-graph`` rows (each step one whole graph) are the stricter
+floor; these are the graphs the engine actually replays. CUDA only (``None`` elsewhere).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from piecegraph.attention.metadata import AttentionMetadata
+from piecegraph.context import forward_context
+
+StepTimer = Callable[[str, int, int], float]  # (kind "decode" | "prefill", rows or tokens, context) -> ms
+
+
+def estimate(work: Sequence[tuple[Sequence[int], int]], concurrency: int, timer: StepTimer,
+             budget: int) -> dict[str, Any]:
+    """GPU-bound output tok/s of ``work`` (``(prompt, max_new_tokens)`` pairs, no EOS) at ``concurrency``:
+    prompt tokens at the prefill rate of a ``budget``-token step, then ``sum(outputs - 1) / rows`` decode steps
+    of ``rows = min(concurrency, len(work))`` rows at the mean context."""
+    prompts = sum(len(p) for p, _ in work)
+    outputs = sum(n for _, n in work)
+    rows = max(1, min(concurrency, len(work)))
+    context = round(prompts / len(work) + outputs / len(work) / 2)
+    decode_ms = timer("decode", rows, context)
+    prefill_ms_per_token = timer("prefill", budget, 0) / budget
+    gpu_s = (prompts * prefill_ms_per_token + math.ceil(sum(n - 1 for _, n in work) / rows) * decode_ms) / 1e3
+    return {"concurrency": concurrency, "gpu_bound_output_tok_s": outputs / gpu_s if gpu_s else None,
+            "decode_step_ms": decode_ms, "decode_rows": rows, "context": context,
+            "prefill_us_per_token": 1e3 * prefill_ms_per_token}
+
+
+def engine_timer(engine: Any, repeats: int = 8) -> StepTimer:
+    """A :data:`StepTimer` on ``engine``'s modules and cache (idle engine: its pages are free): the module a
+    step of that shape would replay (``executor.pick``), called ``repeats`` times back to back under one pair of
+    CUDA events, after one warm call. The sequences it makes are freed again."""
+    cache = engine.cache
+
+    def timer(kind: str, n: int, context: int) -> float:
+        if kind == "decode":
+            seqs = [(("gpu-bound", i), context, 1) for i in range(n)]
+            cache.reserve([(s, context + 1) for s, _, _ in seqs])
+        else:
+            per = min(n, cache.max_seq_len)
+            seqs = [(("gpu-bound", i), 0, min(per, n - i * per)) for i in range(math.ceil(n / per))]
+        try:
+            meta = AttentionMetadata.for_batch(cache, seqs)
+            module = engine.executor.pick(meta).module
+            ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=cache.device)
+            with forward_context(meta):
+                module(ids, meta.positions)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                with forward_context(meta):
+                    module(ids, meta.positions)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / repeats
+        finally:
+            for seq, _, _ in seqs:
+                if cache.capacity(seq):
+                    cache.free(seq)
+
+    return timer
