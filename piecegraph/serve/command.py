@@ -25,11 +25,11 @@ console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
     console = Console(width=200)
 
-DEFAULT_MODES = "eager,breakable,piecewise,auto"
+DEFAULT_MODES = "eager,breakable,piecewise,auto,auto-sync"
 
 
 def _modes(text: str) -> list[str]:
-    from piecegraph.serve.config import ENGINE_MODES
+    from piecegraph.serve.sweep import BENCH_MODES as ENGINE_MODES  # engine modes and auto-sync
 
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in ENGINE_MODES]
@@ -103,6 +103,9 @@ def serve_bench(
     attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
     tp: int = typer.Option(1, min=1, help="tensor-parallel ranks: one process per GPU under torchrun (started "
                            "for you), every rank runs the same engine, rank 0 reports; the JSON has the world size"),
+    url: str | None = typer.Option(None, "--url", help="drive a running OpenAI-compatible server (piecegraph serve, "
+                                   "vLLM, SGLang) at this base URL over HTTP instead, streaming; engine options "
+                                   "then do not apply"),
 ) -> None:
     """Serve random requests with closed-loop clients per concurrency and mode; throughput, TTFT, ITL, graphs."""
     from piecegraph.serve.bench import Workload
@@ -118,6 +121,13 @@ def serve_bench(
     if not conc:
         raise typer.BadParameter("at least one concurrency is needed", param_hint="--concurrency")
     counts = _counts(requests, conc)
+    if url:  # the same closed loop over HTTP: this project's server and its peers measured by one client
+        from piecegraph.serve.http_bench import run_cli
+
+        gpu = device == "cuda"
+        work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
+        return run_cli(url, work, conc, counts, (rounds, min_requests, max_requests), warmup, json_path, plot_path,
+                       console)
     if compiler not in ("inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here

@@ -1,0 +1,195 @@
+"""``serve-bench --url``: the closed-loop benchmark over HTTP against any OpenAI-compatible server.
+
+The same workload as the in-process benchmark (:class:`~piecegraph.serve.bench.Workload`, token-id prompts, no
+EOS: ``ignore_eos``, as vLLM's and SGLang's benchmark clients send), streamed: TTFT is the first event that
+carries output, ITL the gaps between token events (tokens that arrive in one event share its time, as tokens of
+one engine step do in process). Tokens are counted from ``token_ids`` in the events when the server returns them
+(``return_token_ids``: piecegraph, vLLM), else one per non-empty event, and the total from ``usage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from collections import deque
+from typing import Any, Sequence
+
+from piecegraph.serve.bench import metrics as summarize_requests
+
+
+class _Done:
+    """One finished HTTP request in the shape :func:`piecegraph.serve.bench.metrics` reads."""
+
+    def __init__(self, prompt: Sequence[int], arrival: float) -> None:
+        self.prompt, self.arrival = prompt, arrival
+        self.output: Any = []
+        self.token_times: list[float] = []
+        self.preemptions = 0
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+async def _one(conn: Any, model: str, prompt: list[int], max_new: int, token_ids: bool) -> _Done:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if token_ids:
+        body["return_token_ids"] = True
+    done = _Done(prompt, time.monotonic())
+    usage = None
+    async for line in conn.post_stream("/v1/completions", body):
+        if not line.startswith(b"data: {"):
+            continue
+        now = time.monotonic()
+        data = json.loads(line[6:])
+        if "error" in data:
+            raise RuntimeError(f"stream error: {data['error']}")
+        usage = data.get("usage") or usage
+        for choice in data.get("choices") or ():
+            ids = choice.get("token_ids")
+            n = len(ids) if ids is not None else int(bool(choice.get("text")))
+            done.output += list(ids) if ids is not None else [-1] * n
+            done.token_times += [now] * n
+    if usage and usage.get("completion_tokens", 0) > len(done.output):  # a server that merges tokens per event
+        done.output += [-1] * (usage["completion_tokens"] - len(done.output))
+    return done
+
+
+async def _loop(url: str, model: str, work: Sequence[tuple[list[int], int]], concurrency: int, token_ids: bool,
+                timeout_s: float, start_at: float = 0.0) -> tuple[list[_Done], float, float]:
+    from piecegraph.serve.sse_client import Connection
+
+    todo, done = deque(work), []
+
+    async def client_loop() -> None:
+        async with Connection(url, timeout_s) as conn:
+            while todo:
+                prompt, max_new = todo.popleft()
+                done.append(await _one(conn, model, prompt, max_new, token_ids))
+
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))  # shards in other processes start together
+    start = time.monotonic()
+    await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(todo)))))
+    return done, start, time.monotonic()
+
+
+def _shard(url: str, model: str, work: Sequence[tuple[list[int], int]], concurrency: int, token_ids: bool,
+           timeout_s: float, start_at: float) -> tuple[list[tuple[int, int, float, list[float]]], float, float]:
+    """One client process's share: its requests as ``(prompt tokens, output tokens, arrival, token times)``."""
+    try:
+        import uvloop  # the client's own overhead must not be what is measured
+
+        uvloop.install()
+    except ImportError:
+        pass
+    done, start, end = asyncio.run(_loop(url, model, work, concurrency, token_ids, timeout_s, start_at))
+    return [(len(d.prompt), len(d.output), d.arrival, d.token_times) for d in done], start, end
+
+
+def client_processes(concurrency: int) -> int:
+    """Client processes for ``concurrency`` streams: one up to 64 (latency at low concurrency is measured from
+    one light process), then one per 128 streams, at most half the cores (the server needs the rest)."""
+    if concurrency <= 64:
+        return 1
+    return max(1, min(-(-concurrency // 128), (os.cpu_count() or 2) // 2))
+
+
+def _run_clients(url: str, model: str, work: Sequence[tuple[list[int], int]], concurrency: int, token_ids: bool,
+                 timeout_s: float) -> tuple[list[_Done], float]:
+    procs = min(client_processes(concurrency), concurrency)
+    if procs == 1:
+        done, start, end = _shard(url, model, work, concurrency, token_ids, timeout_s, 0.0)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(time.sleep, [0.5] * procs))  # every worker started and imported before the clock
+            start_at = time.monotonic() + 0.2
+            jobs = [pool.submit(_shard, url, model, work[i::procs], concurrency // procs + (i < concurrency % procs),
+                                token_ids, timeout_s, start_at) for i in range(procs)]
+            shards = [job.result() for job in jobs]
+        done = [row for rows, _, _ in shards for row in rows]
+        start, end = min(s for _, s, _ in shards), max(e for _, _, e in shards)
+    requests = []
+    for prompt_len, n, arrival, times in done:
+        d = _Done(range(prompt_len), arrival)
+        d.output, d.token_times = range(n), times
+        requests.append(d)
+    return requests, end - start
+
+
+def served_model(url: str) -> tuple[str, int]:
+    """The first model ``url``'s ``/v1/models`` lists, and its vocabulary size when the server says (piecegraph
+    does; others: 256, ids every tokenizer has)."""
+    from urllib.request import urlopen
+
+    with urlopen(f"{url}/v1/models", timeout=30) as response:  # the standard library: the client needs no extras
+        data = json.loads(response.read())["data"][0]
+    return data["id"], int(data.get("vocab_size") or 256)
+
+
+def measure_url(url: str, model: str, work: Sequence[tuple[list[int], int]], concurrency: int, *,
+                token_ids: bool = True, timeout_s: float = 600.0) -> dict[str, Any]:
+    """One concurrency over HTTP: throughput, TTFT and ITL like :func:`piecegraph.serve.bench.measure`; above 64
+    streams the clients are spread over several processes (:func:`client_processes`)."""
+    done, seconds = _run_clients(url.rstrip("/"), model, work, concurrency, token_ids, timeout_s)
+    if len(done) != len(work):
+        raise RuntimeError(f"{len(done)} of {len(work)} requests finished")
+    return {"concurrency": concurrency, **summarize_requests(done, seconds)}
+
+
+def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int], *, warmup: int = 2,
+              token_ids: bool = True, log: Any = print) -> dict[str, Any]:
+    """Every concurrency against ``url`` (after ``warmup`` short requests); a result in the in-process sweep's
+    shape (``mode`` ``"http"``, one row per concurrency), so its tables and JSON apply."""
+    from piecegraph.serve.bench import Workload
+
+    url = url.rstrip("/")
+    model, vocab = served_model(url)
+    result: dict[str, Any] = {"mode": "http", "url": url, "model": model, "rows": []}
+    if warmup:
+        warm = Workload(min(workload.input_len, 64), min(workload.output_len, 8), 0.0, workload.seed)
+        measure_url(url, model, warm.requests(warmup, vocab, salt=-1), warmup, token_ids=token_ids)
+    for c in concurrencies:
+        row = {"mode": "http", **measure_url(url, model, workload.requests(counts[c], vocab, salt=c), c,
+                                             token_ids=token_ids)}
+        result["rows"].append(row)
+        log(f"http c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} output "
+            f"tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms")
+    return result
+
+
+def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int],
+            rounds: tuple[float, int, int], warmup: int, json_path: Any, plot_path: Any, console: Any) -> None:
+    """``serve-bench --url``: every concurrency (``counts[c]`` requests, else the rounds rule of ``rounds`` =
+    ``(rounds, min_requests, max_requests)``), the serving table, the JSON and the PNG when asked."""
+    import typer
+
+    from piecegraph.serve.bench import requests_for
+    from piecegraph.serve.report import payload, plot, table, write_json
+
+    counts = {c: counts.get(c) or requests_for(c, *rounds) for c in concurrencies}
+    console.print(f"[bold]serve-bench --url[/] {url}: concurrency {list(concurrencies)}, requests "
+                  f"{[counts[c] for c in concurrencies]}, {workload.input_len} in / {workload.output_len} out")
+    try:
+        result = bench_url(url, workload, concurrencies, counts, warmup=warmup,
+                           log=lambda line: console.print(line, markup=False, highlight=False))
+    except Exception as err:  # noqa: BLE001  (a refused connection or a server error: say it, exit 1)
+        console.print(f"[red]serve-bench --url {url} failed: {type(err).__name__}: {err}[/]")
+        raise typer.Exit(1) from None
+    env = {"url": url, "model": result["model"], "workload": dataclasses.asdict(workload),
+           "concurrency": list(concurrencies), "requests": counts, "warmup": warmup,
+           "timing": "client wall time (time.monotonic: one clock for all client processes) at each streamed event"}
+    title = f"serving over HTTP: {result['model']} at {url}; latencies in ms"
+    console.print(table([result], title))
+    if json_path:
+        write_json(json_path, payload(env, [result]))
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        plot([result], plot_path, title=title)
+        console.print(f"wrote {plot_path}")

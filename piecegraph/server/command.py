@@ -1,0 +1,118 @@
+"""``piecegraph serve``: an OpenAI-compatible HTTP server on the continuous-batching engine."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+from rich.console import Console
+
+from piecegraph.cli_common import load_model, resolve_attention, resolve_device
+
+console = Console()
+PRESETS = ("tiny", "qwen2.5-0.5b", "llama-7b-shape")
+
+
+def serve(
+    model_arg: str | None = typer.Argument(None, metavar="MODEL", help="tiny | qwen2.5-0.5b | llama-7b-shape | "
+                                           "a local Hugging Face directory (default: tiny on CPU, the 0.5B shape "
+                                           "on GPU)"),
+    model: str | None = typer.Option(None, "--model", help="the same as MODEL"),
+    hf: bool = typer.Option(False, "--hf", help="run the directory's transformers model itself (piecegraph.hf)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port"),
+    served_model_name: str | None = typer.Option(None, help="the name clients pass as `model` (default: the "
+                                                 "preset or the directory's name)"),
+    mode: str = typer.Option("auto", help="engine mode: eager | breakable | piecewise | auto"),
+    compiler: str | None = typer.Option(None, help="inductor | eager (default: inductor on GPU, eager on CPU)"),
+    emulate: bool | None = typer.Option(None, "--emulate/--no-emulate", help="emulate graph replay (default: on "
+                                        "CPU, where CUDA graphs cannot run)"),
+    max_num_seqs: int = typer.Option(0, min=0, help="most running requests (0: 256 on GPU, 32 on CPU)"),
+    max_batched_tokens: int = typer.Option(0, min=0, help="per-step token budget, chunked prefill above it (0: "
+                                           "2048 on GPU, 256 on CPU)"),
+    max_seq_len: int = typer.Option(0, min=0, help="longest request, prompt + output (0: the model's)"),
+    num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request at full length)"),
+    page_size: int = typer.Option(16, min=1, help="tokens per KV page"),
+    max_pending: int = typer.Option(0, min=0, help="requests admitted at once, running or waiting; more get 429 "
+                                    "(0: four times --max-num-seqs)"),
+    drain: float = typer.Option(30.0, min=0.0, help="seconds in-flight requests may finish at shutdown before "
+                                "they are aborted"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
+    log_level: str = typer.Option("info", help="uvicorn and server log level"),
+    engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="run the engine in its own "
+                                        "process (default: the HTTP work then never takes its interpreter lock) "
+                                        "or on a thread of the server process"),
+) -> None:
+    """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
+    /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
+    try:
+        import uvicorn  # noqa: F401  (checked here: a clear message instead of an ImportError deep in the app)
+    except ImportError:
+        raise typer.BadParameter("the server needs FastAPI and uvicorn: pip install 'piecegraph[server]'",
+                                 param_hint="serve") from None
+    from piecegraph.serve.config import ENGINE_MODES, EngineConfig
+    from piecegraph.server.app import create_app
+    from piecegraph.server.run import build_process_state, build_state, draining_server, uvicorn_config
+    from piecegraph.server.tokenizer import load_tokenizer
+
+    if model_arg and model and model_arg != model:
+        raise typer.BadParameter(f"MODEL {model_arg!r} and --model {model!r} disagree; give one", param_hint="--model")
+    if mode not in ENGINE_MODES:
+        raise typer.BadParameter(f"{mode!r} is not one of {', '.join(ENGINE_MODES)}", param_hint="--mode")
+    if compiler not in (None, "inductor", "eager"):
+        raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("piecegraph.server").setLevel(log_level.upper())  # capture logs stay quiet, ours do not
+    device = resolve_device(device)
+    backend = resolve_attention(attention, device)
+    gpu = device == "cuda"
+    name = model_arg or model or ("qwen2.5-0.5b" if gpu else "tiny")
+    dtype = torch.bfloat16 if backend == "flashinfer" or (gpu and name in PRESETS) else torch.float32
+    if name not in PRESETS and not Path(name).is_dir():
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(PRESETS)} or a local directory",
+                                 param_hint="MODEL")
+    config = EngineConfig(mode=mode, max_num_seqs=max_num_seqs or (256 if gpu else 32),
+                          max_num_batched_tokens=max_batched_tokens or (2048 if gpu else 256),
+                          num_pages=num_pages or None, page_size=page_size, max_seq_len=max_seq_len or None,
+                          compiler=compiler or ("inductor" if gpu else "eager"),
+                          emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
+    factory = functools.partial(build_engine, name, device, dtype, hf, config)
+    served = served_model_name or (name if name in PRESETS else Path(name).resolve().name)
+    if engine_process:
+        console.print("starting the engine process (load, trace, compile, capture)")
+        state = build_process_state(factory, functools.partial(load_tokenizer, name), served,
+                                    max_pending=max_pending or None, drain_s=drain)
+        setup_s = state.loop.info["setup_s"]
+    else:
+        engine = factory()
+        state = build_state(engine, load_tokenizer(name, engine.model.config.vocab_size), served,
+                            max_pending=max_pending or None, drain_s=drain)
+        setup_s = engine.setup_s
+    console.print(f"[bold]piecegraph serve[/]: {served} on {device} ({str(dtype).removeprefix('torch.')}, "
+                  f"{backend} attention, {state.tokenizer.name} tokenizer), engine mode {mode} "
+                  f"({'own process' if engine_process else 'a thread'}), up to {config.max_num_seqs} running / "
+                  f"{state.loop.max_pending} admitted requests of up to {state.max_seq_len} tokens; engine ready in "
+                  f"{setup_s:.1f} s")
+    console.print(f"OpenAI-compatible API at http://{host}:{port}/v1 (model {served!r}); Ctrl-C stops it, "
+                  f"letting requests in flight finish for up to {drain:g} s")
+    draining_server(state, uvicorn_config(create_app(state), host=host, port=port, drain_s=drain,
+                                          log_level=log_level)).run()
+
+
+def build_engine(name: str, device: str, dtype: torch.dtype, hf: bool, config: Any) -> Any:
+    """Load ``name`` (see :func:`piecegraph.cli_common.load_model`) and build its engine with ``config``, its
+    ``max_seq_len`` capped at the model's; a capture progress bar meanwhile. Top level: the engine process
+    unpickles and calls it."""
+    from piecegraph.serve.command import capture_progress
+    from piecegraph.serve.engine import Engine
+
+    net = load_model(name, device, dtype, hf=hf)
+    limit = net.config.max_seq_len
+    config = config.replace(max_seq_len=min(config.max_seq_len or limit, limit))
+    with capture_progress() as progress:
+        return Engine(net, config, progress=progress(config.mode))

@@ -1,0 +1,301 @@
+"""The engine loop: one thread owns the :class:`~piecegraph.serve.Engine`; HTTP handlers talk to it through a
+thread-safe inbox and get their tokens back on their asyncio loop.
+
+Per iteration the thread takes what the inbox holds (new requests, aborts), runs one engine step, and hands every
+request's new tokens to the asyncio side in one ``call_soon_threadsafe`` per step (not one per request: at 1024
+running requests that wake-up is the cost). A handler that falls behind finds several events queued and sends
+them as one chunk. Nothing a client sends reaches the engine unvalidated, and an exception from the engine fails
+the requests in flight, not the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from piecegraph.serve.engine import Engine
+from piecegraph.serve.request import Request, SamplingParams
+
+log = logging.getLogger("piecegraph.server")
+
+
+class QueueFull(Exception):
+    """The server holds as many requests as it admits (a 429 with ``Retry-After``)."""
+
+
+class Closed(Exception):
+    """The loop is shutting down or stopped (a 503)."""
+
+
+@dataclass
+class Event:
+    """What a handler learns: new output ids, the engine's finish reason once finished (``eos``, ``length``,
+    ``aborted``), or an ``error`` (the engine refused the request: ``ValueError``/``TypeError`` text; or failed)."""
+
+    ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    refused: bool = False  # the engine refused it at add_request (a client error), not a failure
+    at: float = 0.0  # perf_counter when the engine loop published it
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A submitted request, as its handler holds it: ``events`` is filled on the handler's asyncio loop (both
+    ``None`` where a sink other than the asyncio one delivers the events: the engine process)."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    events: asyncio.Queue | None = None
+    aloop: asyncio.AbstractEventLoop | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    request: Request | None = None  # the engine's request (engine thread only)
+    sent: int = 0  # output ids published (engine thread only)
+    done: bool = False
+
+
+class EngineLoop:
+    """Runs ``engine`` on its own thread. ``max_pending``: requests admitted at once (running and waiting);
+    one more is refused with :class:`QueueFull`. ``metrics``: a :class:`~piecegraph.server.metrics.Metrics` the
+    loop writes steps and KV pages to. Use :meth:`start`, :meth:`submit`/:meth:`abort` from an asyncio loop, and
+    :meth:`close` (finish what is running for up to ``drain_s``, abort the rest, log which). ``sink``: where
+    each iteration's ``(ticket, event)`` pairs go (default: the tickets' asyncio queues)."""
+
+    def __init__(self, engine: Engine, *, max_pending: int, metrics: Any = None, name: str = "engine-loop",
+                 sink: Callable[[list[tuple[Ticket, Event]]], None] | None = None) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending={max_pending!r} must be >= 1")
+        self.engine, self.max_pending, self.metrics = engine, max_pending, metrics
+        self._sink = sink or self._to_asyncio
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, Ticket] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._pending = 0  # admitted and not yet retired (guarded by _lock)
+        self._started_ids = 0  # live tickets with a first token (read racily for gauges: fine)
+        self._ids = itertools.count()
+        self._closing = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.finished_at_close: list[str] = []
+        self.aborted_at_close: list[str] = []
+        self._steps_seen = 0
+        # OpenMP's thread count is per thread: a new thread would get the default (every core) and spin against
+        # the HTTP threads. The engine thread uses what its creator set (torch.set_num_threads, OMP_NUM_THREADS).
+        self._torch_threads = torch.get_num_threads()
+
+    # -- handler side (any thread) ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams, *, prefix: str = "req") -> Ticket:
+        """Admit a request: the first event says whether the engine accepted it. Call on the asyncio loop that
+        will read ``ticket.events``. Raises :class:`QueueFull` or :class:`Closed`."""
+        if self._closing.is_set():
+            raise Closed("the server is shutting down")
+        with self._lock:
+            if self._pending >= self.max_pending:
+                raise QueueFull(f"{self._pending} requests are in flight, the most this server admits")
+            self._pending += 1
+        ticket = Ticket(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+        self._inbox.put(("add", ticket))
+        return ticket
+
+    def abort(self, ticket: Ticket) -> None:
+        """Abort ``ticket`` (a client went away, a stop string matched): its pages are freed by the next
+        iteration. Idempotent; a finished ticket is left alone."""
+        if not ticket.done:
+            self._inbox.put(("abort", ticket))
+
+    def enqueue(self, ticket: Ticket) -> None:
+        """Queue ``ticket`` without admission control (the engine process: its parent admits)."""
+        with self._lock:
+            self._pending += 1
+        self._inbox.put(("add", ticket))
+
+    def abort_id(self, request_id: str) -> None:
+        """:meth:`abort` by id (the engine process gets ids over its pipe)."""
+        self._inbox.put(("abort", request_id))
+
+    def load(self) -> dict[str, float]:
+        """Gauges for ``/metrics``: waiting and running requests, KV pages used and total."""
+        cache = self.engine.cache
+        pending, running = self._pending, self._started_ids
+        return {"piecegraph_requests_waiting": max(0, pending - running), "piecegraph_requests_running": running,
+                "piecegraph_kv_pages_used": cache.num_pages - 1 - cache.num_free_pages,
+                "piecegraph_kv_pages_total": cache.num_pages - 1}
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def begin_close(self) -> None:
+        """Shutdown starts: refuse new requests (:class:`Closed`); requests in flight keep running."""
+        if not self._closing.is_set():
+            log.info("shutting down: %d requests in flight; new requests get 503", self._pending)
+        self._closing.set()
+
+    def close(self, drain_s: float = 30.0) -> None:
+        """Refuse new requests, let the engine finish what it holds for up to ``drain_s`` seconds, then abort the
+        rest; logs (and keeps in ``finished_at_close`` / ``aborted_at_close``) which ids. Blocks until done."""
+        self.begin_close()
+        self._inbox.put(("wake", None))
+        self._stopped.wait(drain_s)
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=max(5.0, drain_s))
+        if self.finished_at_close:
+            log.info("finished during shutdown: %s", ", ".join(self.finished_at_close))
+        if self.aborted_at_close:
+            log.warning("aborted at shutdown: %s", ", ".join(self.aborted_at_close))
+
+    # -- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_num_threads(self._torch_threads)
+        device = getattr(self.engine, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # the current device is per thread too
+        while True:
+            idle = not self.engine.has_work()
+            if self._closing.is_set() and idle and not self._live:
+                self._stopped.set()
+            if not self._take_inbox(block=idle):
+                break
+            if not self.engine.has_work():
+                continue
+            try:
+                self.engine.step()
+            except Exception as err:  # an engine bug must not take the server down: fail who was in flight
+                log.exception("engine step failed; failing %d requests in flight", len(self._live))
+                self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
+            self._count_steps()
+            self._publish()
+        self._abort_all_at_stop()
+        self._stopped.set()
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Apply queued commands; ``False`` when told to stop. Blocks for the first one when idle."""
+        acks: list[tuple[Ticket, Event]] = []
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                kind, ticket = item
+                if kind == "stop":
+                    self._send(acks)
+                    return False
+                if kind == "add":
+                    acks.append((ticket, self._add(ticket)))
+                elif kind == "abort":  # a Ticket, or its id (from the engine process's pipe)
+                    self._abort(self._live.get(ticket, None) if isinstance(ticket, str) else ticket)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        self._send(acks)
+        return True
+
+    def _add(self, ticket: Ticket) -> Event:
+        try:
+            ticket.request = self.engine.add_request(ticket.prompt, ticket.params, id=ticket.id)
+        except (TypeError, ValueError) as err:
+            self._retire(ticket)
+            return Event([], error=str(err), refused=True)
+        self._live[ticket.id] = ticket
+        return Event([])
+
+    def _abort(self, ticket: Ticket | None, notify: bool = True) -> None:
+        """Abort in the engine (pages freed now); ``notify`` tells the handler it ended (``aborted``)."""
+        if ticket is None or ticket.done or ticket.id not in self._live:
+            return
+        try:
+            self.engine.abort(ticket.id)
+        except KeyError:
+            pass
+        del self._live[ticket.id]
+        self._retire(ticket)
+        if notify:
+            self._send([(ticket, Event([], finish_reason="aborted", at=time.perf_counter()))])
+
+    def _retire(self, ticket: Ticket) -> None:
+        if ticket.done:
+            return
+        ticket.done = True
+        if ticket.sent:
+            self._started_ids -= 1
+        with self._lock:
+            self._pending -= 1
+
+    def _publish(self) -> None:
+        """Each live request's new ids (and its finish) to its handler: one wake-up per asyncio loop."""
+        now, out, gone = time.perf_counter(), [], []
+        for ticket in self._live.values():
+            request = ticket.request
+            n, reason = len(request.output), request.finish_reason
+            if n == ticket.sent and reason is None:
+                continue
+            if not ticket.sent and n:
+                self._started_ids += 1
+            out.append((ticket, Event(request.output[ticket.sent:n], reason, at=now)))
+            ticket.sent = n
+            if reason is not None:
+                gone.append(ticket)
+        for ticket in gone:
+            del self._live[ticket.id]
+            self._retire(ticket)
+            if self._closing.is_set():
+                self.finished_at_close.append(ticket.id)
+                log.info("%s finished during shutdown (%s, %d tokens)", ticket.id, ticket.request.finish_reason,
+                         ticket.sent)
+        self._send(out)
+
+    def _send(self, events: list[tuple[Ticket, Event]]) -> None:
+        if events:
+            self._sink(events)
+
+    def _to_asyncio(self, events: list[tuple[Ticket, Event]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, Event]]] = {}
+        for ticket, event in events:
+            by_loop.setdefault(ticket.aloop, []).append((ticket, event))
+        for aloop, batch in by_loop.items():
+            try:
+                aloop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that asyncio loop is closed: its handlers are gone; abort theirs
+                for ticket, _ in batch:
+                    self._abort(ticket, notify=False)
+
+    def _fail_all(self, message: str) -> None:
+        failed = list(self._live.values())
+        for ticket in failed:
+            self._abort(ticket, notify=False)
+        self._send([(t, Event([], error=message)) for t in failed])
+
+    def _abort_all_at_stop(self) -> None:
+        self._take_inbox(block=False)  # requests that raced the stop are refused below too
+        left = list(self._live.values())
+        for ticket in left:
+            self._abort(ticket, notify=False)
+            self.aborted_at_close.append(ticket.id)
+        self._send([(t, Event([], finish_reason="aborted", at=time.perf_counter())) for t in left])
+
+    def _count_steps(self) -> None:
+        steps = getattr(self.engine, "steps", None)
+        if not isinstance(steps, list):
+            return
+        if self.metrics is not None:
+            for record in steps[self._steps_seen:]:
+                self.metrics.inc("piecegraph_engine_steps_total", kind=str(getattr(record, "kind", "unknown")))
+        self._steps_seen = len(steps)
+        if self._steps_seen > 10_000:  # a server runs for days: keep the engine's per-step records bounded
+            self.engine.reset_stats()
+            self._steps_seen = 0
+
+
+def _deliver(batch: list[tuple[Ticket, Event]]) -> None:
+    for ticket, event in batch:
+        ticket.events.put_nowait(event)

@@ -1,0 +1,105 @@
+"""Putting it together: an engine and a tokenizer -> the app, served by uvicorn in the foreground (the CLI) or on a
+background thread (tests, notebooks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from piecegraph.serve.engine import Engine
+from piecegraph.server.loop import EngineLoop
+from piecegraph.server.metrics import Metrics
+from piecegraph.server.tokenizer import Tokenizer
+
+
+def build_state(engine: Engine, tokenizer: Tokenizer, model_name: str, *, max_pending: int | None = None,
+                drain_s: float = 30.0) -> Any:
+    """The :class:`~piecegraph.server.app.ServerState` for ``engine``: its loop (not started: the app's lifespan
+    starts it), metrics reading the loop's gauges. ``max_pending`` (default: four times ``max_num_seqs``) is how
+    many requests are admitted at once, running or waiting; more get 429."""
+    from piecegraph.server.app import ServerState
+
+    metrics = Metrics()
+    loop = EngineLoop(engine, max_pending=max_pending or 4 * engine.config.max_num_seqs, metrics=metrics)
+    metrics.gauges = loop.load
+    max_len = engine.config.max_seq_len or engine.model.config.max_seq_len
+    return ServerState(loop=loop, tokenizer=tokenizer, model_name=model_name, max_seq_len=max_len,
+                       vocab_size=engine.model.config.vocab_size, metrics=metrics, drain_s=drain_s)
+
+
+def build_process_state(factory: Callable[[], Engine], tokenizer_for: Callable[[int], Tokenizer], model_name: str, *,
+                        max_pending: int | None = None, drain_s: float = 30.0) -> Any:
+    """As :func:`build_state`, with the engine built by ``factory`` (picklable) in its own process
+    (:class:`~piecegraph.server.remote.ProcessEngineLoop`); blocks until it is ready. ``tokenizer_for(vocab_size)``
+    gives the tokenizer once the engine says its vocabulary."""
+    from piecegraph.server.app import ServerState
+    from piecegraph.server.remote import ProcessEngineLoop
+
+    metrics = Metrics()
+    loop = ProcessEngineLoop(factory, max_pending=max_pending, metrics=metrics)
+    loop.start()
+    metrics.gauges = loop.load
+    info = loop.info
+    return ServerState(loop=loop, tokenizer=tokenizer_for(info["vocab_size"]), model_name=model_name,
+                       max_seq_len=info["max_seq_len"], vocab_size=info["vocab_size"], metrics=metrics,
+                       drain_s=drain_s)
+
+
+def uvicorn_config(app: Any, *, host: str, port: int, drain_s: float, log_level: str = "info") -> Any:
+    """uvicorn settings for the server: graceful shutdown lets in-flight streams finish for ``drain_s``."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s,
+                          access_log=False)
+
+
+def draining_server(state: Any, config: Any) -> Any:
+    """A ``uvicorn.Server`` that tells the engine loop when shutdown starts (new requests get 503, requests that
+    finish while connections drain are logged), before uvicorn waits for the open connections."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            state.loop.begin_close()
+            await super().shutdown(sockets)
+
+    return _Server(config)
+
+
+class BackgroundServer:
+    """Serve ``state`` on ``127.0.0.1`` at a free port on a daemon thread: ``with BackgroundServer(state) as s:``
+    then ``s.url`` (``http://127.0.0.1:PORT``). Leaving the block shuts down gracefully (``state.drain_s``)."""
+
+    def __init__(self, state: Any, *, log_level: str = "warning") -> None:
+        from piecegraph.server.app import create_app
+
+        self.state = state
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))  # the kernel picks a free port: no race with other tests
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn_config(create_app(state), host="127.0.0.1", port=self.port, drain_s=state.drain_s,
+                                log_level=log_level)
+        self.server = draining_server(state, config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                        name="uvicorn")
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=self.state.drain_s + 30)
+        self._sock.close()

@@ -1,0 +1,424 @@
+"""The OpenAI-compatible server with the official ``openai`` client on loopback: greedy outputs (completions and
+chat, streaming and not, 32 concurrent clients) equal ``Engine.generate`` of the same prompts token for token;
+every bad input gets its status and names its field; a full queue gives 429 with Retry-After; a client that goes
+away frees its pages; a bounded load loop loses nothing; the engine loop survives all of it."""
+
+import asyncio
+import json
+import random
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from piecegraph.models import TINY, Decoder  # noqa: E402
+from piecegraph.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
+from piecegraph.server.run import BackgroundServer, build_state  # noqa: E402
+from piecegraph.server.tokenizer import ByteTokenizer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_SEQ_LEN = 128
+NEW = 10
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder.random(TINY, seed=3).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """``Engine.generate`` on a separate eager engine: the independent reference for every greedy output."""
+    engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=64, max_num_batched_tokens=512, page_size=8,
+                                        max_seq_len=MAX_SEQ_LEN))
+
+    def generate(prompts, max_new=NEW):
+        return engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """The server under test: mode auto (full graphs for decode, piecewise otherwise, emulated on CPU)."""
+    config = EngineConfig(mode="auto", max_num_seqs=8, max_num_batched_tokens=64, page_size=8,
+                          max_seq_len=MAX_SEQ_LEN, decode_sizes=(1, 2, 4, 8), prefill_sizes=(8, 16, 32, 64),
+                          compiler="eager", emulate_graphs=True)
+    state = build_state(Engine(model, config), TOK, "tiny", max_pending=64, drain_s=5)
+    with BackgroundServer(state) as running:
+        yield running
+
+
+class SlowEngine(Engine):
+    """Steps take at least 4 ms (so a client can leave mid-generation), and one step can be told to fail."""
+
+    fail_next = False
+
+    def step(self):
+        time.sleep(0.004)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected engine failure")
+        return super().step()
+
+
+@pytest.fixture(scope="module")
+def small(model):
+    """A server that admits two requests at once, with a slow engine and a tokenizer without a chat template."""
+    config = EngineConfig(mode="eager", max_num_seqs=2, max_num_batched_tokens=64, page_size=8, max_seq_len=256)
+    state = build_state(SlowEngine(model, config), ByteTokenizer(chat_template=False), "tiny", max_pending=2,
+                        drain_s=2)
+    with BackgroundServer(state) as running:
+        yield running
+
+
+def _client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _prompts(n, seed):
+    rng = random.Random(seed)
+    words = ["piece", "graph", "cuda", "été", "数据", "token", " ", "\n", "λ"]
+    return ["".join(rng.choice(words) for _ in range(rng.randint(1, 8))) for _ in range(n)]
+
+
+def _free(engine):
+    return engine.cache.num_free_pages == engine.cache.num_pages - 1
+
+
+def _wait_free(engine, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not _free(engine) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _free(engine)
+
+
+def _completion(url, prompt, stream):
+    client = _client(url)
+    if not stream:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        assert r.usage.completion_tokens == len(choice.token_ids)
+        return choice.text, choice.token_ids, choice.finish_reason
+    text, ids, reason = "", [], None
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True}):
+        for choice in chunk.choices:
+            text += choice.text
+            ids += choice.token_ids
+            reason = choice.finish_reason or reason
+    return text, ids, reason
+
+
+def test_completions_32_concurrent_clients_equal_engine_generate(server, reference):
+    prompts = _prompts(32, seed=1)
+    ids_prompts = [TOK.encode(p) for p in prompts]
+    want = reference(ids_prompts)
+    # Half stream, half not; every fourth sends token ids instead of text.
+    jobs = [(ids_prompts[i] if i % 4 == 3 else prompts[i], i % 2 == 0) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda job: _completion(server.url, *job), jobs))
+    for i, (text, ids, reason) in enumerate(got):
+        assert ids == want[i], (i, jobs[i])
+        assert text == TOK.decode(want[i])
+        assert reason == "length"
+    assert _wait_free(server.state.loop.engine)
+
+
+def _chat(url, messages, stream):
+    client = _client(url)
+    if not stream:
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0, seed=7)
+        return r.choices[0].message.content, r.usage.completion_tokens, r.usage.prompt_tokens
+    text, usage = "", None
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+    return text, usage.completion_tokens, usage.prompt_tokens
+
+
+def test_chat_streaming_and_not_equal_engine_generate(server, reference):
+    conversations = [[{"role": "user", "content": p}] for p in _prompts(8, seed=2)]
+    conversations.append([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    # The byte tokenizer's template, written out here independently of its code.
+    rendered = ["".join(f"<|{m['role']}|>\n{m['content']}\n" for m in c) + "<|assistant|>\n" for c in conversations]
+    want = reference([list(r.encode()) for r in rendered])
+    jobs = [(c, i % 2 == 0) for i, c in enumerate(conversations)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _chat(server.url, *job), jobs))
+    for (text, completion_tokens, prompt_tokens), w, r in zip(got, want, rendered):
+        assert text == TOK.decode(w)
+        assert completion_tokens == len(w) and prompt_tokens == len(r.encode())
+
+
+def test_stop_strings_and_stop_token_ids(server, reference):
+    prompt = "stop here"
+    want = reference([TOK.encode(prompt)], max_new=24)[0]
+    full = TOK.decode(want)
+    stop = full[5:7]
+    at = full.find(stop)
+    client = _client(server.url)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:at] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == full[:at]
+    cut = want.index(want[6])
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"stop_token_ids": [want[6]], "return_token_ids": True})
+    assert r.choices[0].token_ids == want[:cut + 1] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == TOK.decode(want[:cut])
+    assert _wait_free(server.state.loop.engine)
+
+
+BAD = [  # (body, status, the field the message must name)
+    (b"{not json", 400, "JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"model": "tiny", "prompt": "x", "foo": 1}, 400, "foo"),
+    ({"model": "gpt-9", "prompt": "x"}, 400, "model"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x" * 200}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a", ""]}, 400, "stop"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [999]}, 400, "stop_token_ids"),
+    ({"model": "tiny", "prompt": [300, 1]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1.5]}, 400, "prompt"),
+]
+BAD_CHAT = [
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x", "x": 1}]}, 400, "messages.0.x"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 999}, 400,
+     "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,field", [("/v1/completions", *case) for case in BAD]
+                         + [("/v1/chat/completions", *case) for case in BAD_CHAT])
+def test_bad_input_gets_its_status_naming_the_field(server, path, body, status, field):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert field in error["message"] and error["type"] == "invalid_request_error", error
+    if field[0].islower() and field != "JSON object":
+        assert error["param"] == field or error["message"].startswith(field)
+
+
+def test_engine_loop_survives_bad_inputs_and_unknown_routes(server, reference):
+    assert httpx.get(server.url + "/v1/nope").json()["error"]["message"]
+    for body in (b"\xff\xfe", b"null", b'{"model": "tiny", "prompt": {"a": 1}}', b"{" * 10_000):
+        assert httpx.post(server.url + "/v1/completions", content=body).status_code == 400
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text, ids, _ = _completion(server.url, "still alive", stream=False)
+    assert ids == reference([TOK.encode("still alive")])[0]
+
+
+def test_models_and_metrics(server):
+    models = _client(server.url).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    _completion(server.url, "metrics", stream=True)
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("piecegraph_requests_total", "piecegraph_prompt_tokens_total", "piecegraph_requests_waiting",
+                   "piecegraph_time_to_first_token_seconds_count", "piecegraph_inter_token_latency_seconds_bucket",
+                   "piecegraph_kv_pages_used", "piecegraph_kv_pages_total"):
+        assert series in text
+    assert 'piecegraph_engine_steps_total{kind="full"}' in text
+    assert 'piecegraph_engine_steps_total{kind="piecewise"}' in text
+    assert 'piecegraph_requests_total{finish_reason="length"}' in text
+
+
+def test_full_queue_gets_429_with_retry_after(small):
+    body = {"model": "tiny", "prompt": "hold", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=small.url, timeout=30) as a, httpx.Client(base_url=small.url, timeout=30) as b:
+        with a.stream("POST", "/v1/completions", json=body) as s1, b.stream("POST", "/v1/completions", json=body) as s2:
+            assert s1.status_code == s2.status_code == 200
+            r = httpx.post(small.url + "/v1/completions", json=body)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+    assert _wait_free(small.state.loop.engine)
+
+
+def test_chat_without_template_is_a_clear_400(small):
+    r = httpx.post(small.url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "chat template" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_mid_stream_frees_pages(small):
+    engine = small.state.loop.engine
+    aborted = engine.stats()["aborted"]
+    body = {"model": "tiny", "prompt": "leave early", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=small.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            assert not _free(engine)  # it is generating, holding pages
+    assert _wait_free(engine)
+    assert engine.stats()["aborted"] == aborted + 1
+
+
+def test_client_disconnect_while_waiting_non_streaming_frees_pages(small):
+    engine = small.state.loop.engine
+    aborted = engine.stats()["aborted"]
+    body = json.dumps({"model": "tiny", "prompt": "gone", "max_tokens": 200}).encode()
+    with socket.create_connection(("127.0.0.1", small.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 5
+        while _free(engine) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not _free(engine)
+    assert _wait_free(engine)
+    assert engine.stats()["aborted"] == aborted + 1
+
+
+def test_engine_failure_fails_requests_in_flight_not_the_loop(small):
+    engine = small.state.loop.engine
+    engine.fail_next = True
+    r = httpx.post(small.url + "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 5})
+    assert r.status_code == 500 and "injected engine failure" in r.json()["error"]["message"]
+    assert _wait_free(engine)
+    r = httpx.post(small.url + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+async def _load(url, prompts, limit_s):
+    """Clients in a closed loop: streaming and not, some leaving early, some invalid; returns outcomes by index."""
+    out, todo = {}, list(enumerate(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=limit_s, limits=httpx.Limits(max_connections=40)) as client:
+
+        async def one(i, prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+            if i % 17 == 0:
+                body["temperature"] = 9  # invalid: a 400, and the loop goes on
+            if i % 2:
+                r = await client.post("/v1/completions", json=body)
+                return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else None
+            body["stream"] = True
+            ids = []
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return r.status_code, None
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                        if i % 13 == 0:
+                            return "left", None  # leaves mid-stream: closing the response aborts it
+            return 200, ids
+
+        async def worker():
+            while todo:
+                i, prompt = todo.pop()
+                out[i] = await one(i, prompt)
+
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(32))), limit_s)
+    return out
+
+
+def test_bounded_load_loop_loses_no_request(server, reference):
+    prompts = [TOK.encode(p) for p in _prompts(300, seed=4)]
+    want = reference(prompts, max_new=6)
+    start = time.monotonic()
+    out = asyncio.run(_load(server.url, prompts, limit_s=45))
+    assert time.monotonic() - start < 45
+    assert sorted(out) == list(range(len(prompts)))  # every request answered
+    for i, (status, ids) in out.items():
+        if i % 17 == 0:
+            assert status == 400
+        elif status != "left":
+            assert status == 200 and ids == want[i], i
+    assert _wait_free(server.state.loop.engine)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_engine_in_its_own_process_serves_the_same_tokens_and_frees_pages(reference):
+    """``serve --engine-process`` (the default): the engine built by the CLI's factory in a spawned child."""
+    import functools
+
+    import torch
+
+    from piecegraph.server.command import build_engine
+    from piecegraph.server.run import build_process_state
+
+    config = EngineConfig(mode="eager", max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_seq_len=256)
+    factory = functools.partial(build_engine, "tiny", "cpu", torch.float32, False, config)
+    state = build_process_state(factory, ByteTokenizer, "tiny", max_pending=16, drain_s=5)
+    prompts = _prompts(12, seed=5)
+    preset = Engine(Decoder.random(TINY, seed=0).eval(), EngineConfig(mode="eager", max_num_seqs=16, page_size=8,
+                                                                      max_seq_len=MAX_SEQ_LEN))
+    want = preset.generate([TOK.encode(p) for p in prompts], SamplingParams(max_new_tokens=NEW))
+    with BackgroundServer(state) as server:
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda i: _completion(server.url, prompts[i], i % 2 == 0), range(12)))
+        assert [ids for _, ids, _ in got] == want
+        body = {"model": "tiny", "prompt": "leave", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            with client.stream("POST", "/v1/completions", json=body) as stream:
+                next(line for line in stream.iter_lines() if line.startswith("data:"))
+        deadline = time.monotonic() + 10
+        while state.loop.load()["piecegraph_kv_pages_used"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert state.loop.load()["piecegraph_kv_pages_used"] == 0
+        assert "piecegraph_kv_pages_used 0" in httpx.get(server.url + "/metrics").text
+        state.loop._proc.kill()  # the engine process dies: the server says so instead of hanging
+        deadline = time.monotonic() + 10
+        while state.loop.alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpx.get(server.url + "/health").status_code == 503
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+    assert not state.loop.alive
+
+
+def test_seeded_sampling_equals_the_engine_with_the_same_params(server, model):
+    engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=4, page_size=8, max_seq_len=MAX_SEQ_LEN))
+    prompt = TOK.encode("sample me")
+    want = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=5))[0]
+    client = _client(server.url)
+    for stream in (False, True):
+        kwargs = dict(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0.8, seed=5,
+                      extra_body={"return_token_ids": True})
+        if stream:
+            ids = [i for c in client.completions.create(stream=True, **kwargs) for i in c.choices[0].token_ids]
+        else:
+            ids = client.completions.create(**kwargs).choices[0].token_ids
+        assert ids == want
+
+
+def test_top_p_below_one_is_refused_while_the_engine_samples_the_whole_distribution(server):
+    import dataclasses
+
+    if "top_p" in {f.name for f in dataclasses.fields(SamplingParams)}:
+        pytest.skip("the engine samples with top_p now: the server passes it on")
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 0.5,
+                                                          "temperature": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 1, "max_tokens": 2})
+    assert r.status_code == 200

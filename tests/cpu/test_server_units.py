@@ -1,0 +1,228 @@
+"""The server's parts without HTTP: incremental text equals whole decoding, stop strings and ids, the Prometheus
+text, the engine loop's shutdown (finish or abort, pages freed), a model directory's tokenizer through
+transformers served end to end (``--hf``), the CLI (``serve --help``, ``serve-bench --url``)."""
+
+import asyncio
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from piecegraph.models import TINY, Decoder
+from piecegraph.serve import Engine, EngineConfig, SamplingParams
+from piecegraph.server.metrics import SERIES, Metrics
+from piecegraph.server.protocol import APIError, CompletionRequest, parse
+from piecegraph.server.stream import TextStream
+from piecegraph.server.tokenizer import ByteTokenizer, NoChatTemplate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOK = ByteTokenizer()
+
+
+def _feed_all(stream, ids, seed):
+    rng, out, i = random.Random(seed), [], 0
+    while i < len(ids) and not stream.stopped:
+        n = rng.randint(1, 4)
+        out.append(stream.feed(ids[i:i + n])[0])
+        i += n
+    out.append(stream.finish())
+    return "".join(out)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_incremental_text_equals_decoding_everything(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice(["a", "é", "数", "😀", " ", "\n"]) for _ in range(30))
+    ids = list(text.encode()) + [rng.randrange(256) for _ in range(rng.randint(0, 20))]  # invalid UTF-8 too
+    assert _feed_all(TextStream(TOK), ids, seed) == TOK.decode(ids)
+    big = ByteTokenizer(vocab_size=1000)  # ids above 255: markers
+    ids = [rng.randrange(1000) for _ in range(30)]
+    assert _feed_all(TextStream(big), ids, seed) == big.decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_strings_are_cut_and_never_leak_into_the_stream(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice("abcdé ") for _ in range(60))
+    start = rng.randrange(10, 50)
+    stop = text[start:start + rng.randint(1, 4)]
+    stream = TextStream(TOK, stop=[stop, "zzz"])
+    sent = _feed_all(stream, list(text.encode()), seed)
+    assert sent == text[:text.find(stop)] and stream.stopped
+
+
+def test_stop_token_id_ends_the_text_and_is_kept_in_the_ids():
+    stream = TextStream(TOK, stop_ids={ord("!")})
+    delta, kept = stream.feed(list(b"hi! there"))
+    assert delta + stream.finish() == "hi" and kept == list(b"hi!") and stream.stopped
+    assert stream.feed(list(b"more")) == ("", [])
+
+
+def test_byte_tokenizer_round_trip_and_its_chat_template():
+    assert TOK.decode(TOK.encode("héllo 数")) == "héllo 数"
+    assert TOK.decode(TOK.chat([("user", "hi")])) == "<|user|>\nhi\n<|assistant|>\n"
+    with pytest.raises(NoChatTemplate):
+        ByteTokenizer(chat_template=False).chat([("user", "hi")])
+    with pytest.raises(ValueError, match="256"):
+        ByteTokenizer(vocab_size=100)
+
+
+def test_metrics_text_format():
+    metrics = Metrics(gauges=lambda: {"piecegraph_kv_pages_used": 3})
+    metrics.inc("piecegraph_requests_total", finish_reason="stop")
+    metrics.observe("piecegraph_time_to_first_token_seconds", 0.003, times=2)
+    text = metrics.render()
+    for name, (kind, _) in SERIES.items():
+        assert f"# TYPE {name} {kind}" in text
+    assert 'piecegraph_requests_total{finish_reason="stop"} 1' in text
+    assert 'piecegraph_time_to_first_token_seconds_bucket{le="0.0025"} 0' in text
+    assert 'piecegraph_time_to_first_token_seconds_bucket{le="0.005"} 2' in text
+    assert "piecegraph_time_to_first_token_seconds_count 2" in text and "piecegraph_kv_pages_used 3" in text
+    with pytest.raises(KeyError, match="not declared"):
+        metrics.inc("nope")
+
+
+def test_protocol_refuses_naming_the_field():
+    with pytest.raises(APIError, match="^temperature") as err:
+        parse(b'{"model": "m", "prompt": "x", "temperature": 3}', CompletionRequest)
+    assert err.value.param == "temperature" and err.value.status == 400
+    assert parse(b'{"model": "m", "prompt": [1, 2], "n": 1}', CompletionRequest).prompt == [1, 2]
+
+
+class _Slow(Engine):
+    def step(self):
+        import time
+
+        time.sleep(0.003)
+        return super().step()
+
+
+@pytest.mark.parametrize("drain_s", [0.0, 10.0])
+def test_shutdown_finishes_or_aborts_in_flight_requests_and_frees_pages(drain_s, caplog):
+    from piecegraph.server.loop import EngineLoop
+
+    engine = _Slow(Decoder.random(TINY, seed=1).eval(), EngineConfig(mode="eager", max_num_seqs=4, page_size=8,
+                                                                     max_seq_len=128))
+    loop = EngineLoop(engine, max_pending=8)
+
+    async def main():
+        tickets = [loop.submit([1, 2, 3], SamplingParams(max_new_tokens=100)) for _ in range(3)]
+        loop.start()
+        for t in tickets:
+            assert (await t.events.get()).error is None  # accepted
+        await asyncio.to_thread(loop.close, drain_s)
+        return tickets
+
+    with caplog.at_level("INFO", logger="piecegraph.server"):
+        tickets = asyncio.run(main())
+    ids = {t.id for t in tickets}
+    if drain_s:
+        assert set(loop.finished_at_close) == ids and not loop.aborted_at_close
+        assert all(len(t.request.output) == 100 for t in tickets)
+    else:
+        assert set(loop.aborted_at_close) == ids and "aborted at shutdown" in caplog.text
+    assert engine.cache.num_free_pages == engine.cache.num_pages - 1 and not loop.alive
+
+
+def _hf_folder(path):
+    """A tiny random Qwen2 and a byte-level BPE tokenizer with a chat template and an EOS, built here."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=template,
+                                   additional_special_tokens=specials)
+    fast.save_pretrained(path)
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return len(vocab) - 1  # the EOS id
+
+
+def test_a_model_directory_is_served_with_its_own_tokenizer_and_template(tmp_path):
+    openai = pytest.importorskip("openai")
+    from piecegraph.cli_common import load_model
+    from piecegraph.server.run import BackgroundServer, build_state
+    from piecegraph.server.tokenizer import HFTokenizer, load_tokenizer
+
+    eos = _hf_folder(tmp_path)
+    tok = load_tokenizer(str(tmp_path), 0)
+    assert isinstance(tok, HFTokenizer) and tok.eos_ids == {eos}
+    assert tok.decode(tok.encode("héllo 数")) == "héllo 数"
+    prompt = tok.chat([("user", "hi")])
+    assert tok.tok.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    model = load_model(str(tmp_path), "cpu", torch.float32, hf=True)
+    config = EngineConfig(mode="eager", max_num_seqs=4, page_size=8, max_seq_len=128)
+    want = Engine(model, config).generate([prompt], SamplingParams(max_new_tokens=12, eos_token_id=eos))[0]
+    with BackgroundServer(build_state(Engine(model, config), tok, tmp_path.name)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+        r = client.chat.completions.create(model=tmp_path.name, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == want
+    assert r.choices[0].message.content == tok.decode(want)
+    assert r.choices[0].finish_reason == ("stop" if want[-1] == eos else "length")
+
+
+def test_serve_bench_url_drives_a_running_server(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from piecegraph.cli import app
+    from piecegraph.serve.bench import Workload
+    from piecegraph.server.run import BackgroundServer, build_state
+
+    engine = Engine(Decoder.random(TINY, seed=2).eval(), EngineConfig(mode="eager", max_num_seqs=8, page_size=8,
+                                                                      max_seq_len=64))
+    out = tmp_path / "http.json"
+    with BackgroundServer(build_state(engine, TOK, "tiny")) as server:
+        result = CliRunner().invoke(app, ["serve-bench", "--url", server.url, "--concurrency", "1,4", "--requests",
+                                          "6", "--device", "cpu", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["modes"][0]["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 4] and all(r["requests"] == 6 for r in rows)
+    for row in rows:  # every token of the workload arrived (token ids in the events, ignore_eos honoured)
+        work = Workload(32, 8, 0.25, 0).requests(6, TINY.vocab_size, salt=row["concurrency"])
+        assert row["output_tokens"] == sum(n for _, n in work)
+    assert all(r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 for r in rows)
+    result = CliRunner().invoke(app, ["serve-bench", "--url", "http://127.0.0.1:9", "--device", "cpu"])
+    assert result.exit_code == 1 and "failed" in result.output
+
+
+def test_serve_command_help_and_import_stays_light():
+    from typer.testing import CliRunner
+
+    from piecegraph.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--help"])
+    assert result.exit_code == 0 and "--hf" in result.output
+    code = ("import sys, piecegraph, piecegraph.cli\n"
+            "print(any(m.startswith(('fastapi', 'uvicorn')) for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_server_shutting_down_answers_503_and_still_finishes_what_it_holds():
+    import httpx
+
+    from piecegraph.server.run import BackgroundServer, build_state
+
+    engine = Engine(Decoder.random(TINY, seed=2).eval(), EngineConfig(mode="eager", max_num_seqs=2, page_size=8,
+                                                                      max_seq_len=64))
+    with BackgroundServer(build_state(engine, TOK, "tiny")) as server:
+        server.state.loop.begin_close()
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "late"})
+        assert r.status_code == 503 and r.headers["Retry-After"] and "shutting down" in r.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 200
