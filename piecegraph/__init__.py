@@ -1,6 +1,8 @@
 """piecegraph: piecewise CUDA graphs for PyTorch inference through torch.compile, robust to JIT kernel libraries."""
 
-from . import adapters
+import time as _time
+
+from . import _import_clock, adapters
 from .api import compile
 from .config import Config, default_capture_sizes
 from .context import forward_context, get_forward_context
@@ -31,3 +33,5 @@ __all__ = [
     "FrozenCacheMiss",
 ]
 __version__ = "0.1.0"
+# Seconds `import piecegraph` took (stats()["startup"]["import_s"]); torch included when piecegraph imported it.
+IMPORT_S = _time.perf_counter() - _import_clock.START

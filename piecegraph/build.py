@@ -5,6 +5,8 @@ token-count mismatch shows to be static, not a token input."""
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -14,26 +16,46 @@ from .config import Config
 from .graphs.breakable import build_breakable_program
 from .program import TokenCountMismatch
 from .runner import FlatRunner
-from .trace.backend import build_program
+from .trace.backend import build_program, graph_memory
 
 log = logging.getLogger("piecegraph")
 
 
+@dataclass
+class Startup:
+    """Where a GraphedModule's setup went (``stats()["startup"]``): seconds of prewarm (the first eager call,
+    where JIT kernels such as FlashInfer's build), trace (Dynamo and the trace call's run), compile (splitting
+    and Inductor, static compiles included) and the whole setup; and what the artifact cache did (``cache``:
+    filled by :func:`piecegraph.cache.compile_cache`). Accumulates over retraces and recompiles."""
+
+    prewarm_s: float = 0.0
+    trace_s: float = 0.0
+    compile_s: float = 0.0
+    setup_s: float = 0.0
+    cache: dict[str, Any] = field(default_factory=lambda: {"cache": "off"})
+
+
 def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, runners: list[FlatRunner],
-                verify_sizes: float | None = None) -> tuple[Callable[..., Any], Binding | None]:
+                verify_sizes: float | None = None, startup: Startup | None = None
+                ) -> tuple[Callable[..., Any], Binding | None]:
     """Trace ``model`` with Dynamo once, on copies of the call's arguments (its tensors are never written).
 
     Every compile appends its runner to ``runners``, a recompile on a later call too; the trace call itself runs
     the pieces without graphs. Returns the compiled call (``compiled(**values)``) and the binding that lets later
     calls skip Dynamo (``None``: they go through it). ``verify_sizes``: how many captured sizes each runner
-    verifies (default: the config's ``verify``). Dynamo's errors propagate."""
+    verifies (default: the config's ``verify``). ``startup``: where the seconds go (a recompile's too). Dynamo's
+    errors propagate."""
     trace_values = trace_copies(values, config.token_dim, config.static_inputs)
     examples: list[list[Any]] = []
+    startup = startup or Startup()
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # A recompile's runner is not tracing: it captures at once.
-        runner = FlatRunner(build_program(gm, example_inputs, config), config, tracing=not examples,
-                            verify_sizes=verify_sizes)
+        memory = graph_memory(gm, config)  # before compiling: Inductor rewrites the graph it is given
+        start = time.perf_counter()
+        program = build_program(gm, example_inputs, config)
+        startup.compile_s += time.perf_counter() - start
+        runner = FlatRunner(program, config, tracing=not examples, verify_sizes=verify_sizes, memory=memory)
         examples.append(list(example_inputs))
         runners.append(runner)
         return runner
@@ -43,7 +65,9 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
     def call(**kw: Any) -> Any:
         return compiled(model, kw)
 
+    start, compile_before = time.perf_counter(), startup.compile_s
     result = call(**trace_values)
+    startup.trace_s += time.perf_counter() - start - (startup.compile_s - compile_before)
     runner = runners[-1]
     runner.end_trace()
     return call, bind_trace(runner, examples[0], trace_values, result, config.token_dim)

@@ -10,9 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 from piecegraph.bench.command import bench
+from piecegraph.cache.command import cache_app
 from piecegraph.cli_common import load_model, resolve_attention, resolve_device
 from piecegraph.diagnose.command import doctor
 from piecegraph.serve.command import serve_bench
+from piecegraph.server.command import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Piecewise CUDA graphs for PyTorch inference.")
 console = Console()
@@ -105,6 +107,8 @@ def _report_agreement(expected: list[list[int]], got: list[list[int]], exact: bo
 app.command()(bench)
 app.command()(doctor)
 app.command(name="serve-bench")(serve_bench)
+app.add_typer(cache_app, name="cache")
+app.command()(serve)
 
 if __name__ == "__main__":
     app()

@@ -84,8 +84,12 @@ class Config:
             graph. ``"auto"``: every capture size, each piece's static code kept only where it ran at least 5%
             faster than the dynamic code when timed as a CUDA graph at the size's warm-up (programs that write an
             input, and mode="full", whose graph holds the split ops, keep the static code untimed). Each size
-            costs one more Inductor compile of every distinct piece (``stats()["static_compile_s"]``). Default
-            ``()``: none.
+            costs one more Inductor compile of every distinct piece (``stats()["static_compile_s"]``).
+            ``"reductions"``: as ``"auto"``, but only for a program that reduces or works along the token dimension
+            outside split ops (a per-tensor amax, a softmax over tokens: where the dynamic code is tuned for the
+            traced token count and ran 2-15x slower at other counts), and only on CUDA with real graphs, where the
+            choice is measured; none otherwise. ``None`` (default): ``"reductions"`` in ``mode="auto"``, ``()``
+            (none) in the other modes.
         auto_opaque: when the trace breaks inside an installed library, wrap each public function of it the model
             called (decorators seen through) as an opaque op, its fake inferred by running it at three token
             counts on the arguments prewarm saw and checked at two more, route the model's calls through it, and
@@ -94,6 +98,16 @@ class Config:
             ``piecegraph.opaque(...)`` line. ``None`` (default): on in ``mode="auto"`` only; ``True``: in
             ``piecewise``/``full`` too; ``False``: never. Undone by ``piecegraph.unfreeze()`` or when the module
             is released.
+        cache_dir: where compiled artifacts are kept between processes (see :mod:`piecegraph.cache`): a folder,
+            ``True`` for the default (``$PIECEGRAPH_CACHE_DIR``, else ``$XDG_CACHE_HOME/piecegraph``, else
+            ``~/.cache/piecegraph``), ``False`` for none. ``None`` (default): ``$PIECEGRAPH_CACHE_DIR`` when that is
+            set, else none: a library does not write under the user's home, nor move Inductor's cache, unasked.
+        progress: a progress bar through :meth:`GraphedModule.capture` of several sizes (rich, on stderr). ``None``
+            (default): when stderr is a terminal; ``True``: always (rich must be installed); ``False``: never.
+        graph_memory_limit: bytes the graphs' shared pool may take. Before capturing, piecegraph estimates each
+            size's pool from the traced pieces (:mod:`piecegraph.graphs.memory`); sizes whose estimate is over the
+            limit are not captured (they run without graphs), with a warning naming them and the bytes; when even
+            the smallest is over, capture is refused with an error. ``None`` (default): no limit.
     """
 
     mode: str = "piecewise"
@@ -112,8 +126,11 @@ class Config:
     token_mixing: str = "exact"
     static_inputs: tuple[str, ...] = ()
     pool: Any = field(default=None, compare=False)
-    compile_sizes: tuple[int, ...] | str = ()
+    compile_sizes: tuple[int, ...] | str | None = None
     auto_opaque: bool | None = None
+    cache_dir: str | os.PathLike | bool | None = None
+    progress: bool | None = None
+    graph_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -126,7 +143,7 @@ class Config:
         for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={describe(getattr(self, name))} must be True or False")
-        for name in ("verify", "auto_opaque"):
+        for name in ("verify", "auto_opaque", "progress"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={describe(getattr(self, name))} must be True, False or None")
         tol = self.verify_tol
@@ -144,6 +161,12 @@ class Config:
         if self.capture_sizes is not None:
             object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
         object.__setattr__(self, "compile_sizes", _compile_sizes(self.compile_sizes, self.sizes))
+        cache_dir = self.cache_dir
+        if cache_dir is not None and not isinstance(cache_dir, (bool, str, os.PathLike)) or cache_dir == "":
+            raise ValueError(f"cache_dir={describe(self.cache_dir)} must be a folder, True (the default folder), "
+                             "False (no cache) or None ($PIECEGRAPH_CACHE_DIR if set)")
+        if self.graph_memory_limit is not None:
+            _check_int("graph_memory_limit", self.graph_memory_limit, 1, "bytes, e.g. 8 << 30 for 8 GiB")
         if self.pool is not None and not hasattr(self.pool, "acquire"):
             raise TypeError(
                 f"pool={describe(self.pool)} must be a piecegraph.GraphPool (a raw torch.cuda.graph_pool_handle() "
@@ -157,8 +180,11 @@ class Config:
 
     @property
     def static_compile_sizes(self) -> tuple[int, ...]:
-        """The sizes that get a static compile (``compile_sizes``, with ``"auto"`` meaning every capture size)."""
-        return self.sizes if self.compile_sizes == "auto" else self.compile_sizes
+        """The sizes that get a static compile (``compile_sizes``, with ``"auto"`` meaning every capture size); for
+        ``"reductions"`` the sizes it may get (the trace decides), for ``None`` none."""
+        if self.compile_sizes in ("auto", "reductions"):
+            return self.sizes
+        return self.compile_sizes or ()
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -167,8 +193,8 @@ class Config:
     def from_env(cls, **overrides: Any) -> "Config":
         """A config with ``PIECEGRAPH_MODE`` / ``PIECEGRAPH_COMPILER`` applied, then ``overrides``.
 
-        The only place piecegraph reads environment variables: useful to switch a served model to
-        ``mode=none`` or ``compiler=eager`` while debugging, without editing code.
+        Useful to switch a served model to ``mode=none`` or ``compiler=eager`` while debugging, without editing
+        code. (The one other variable piecegraph reads is ``PIECEGRAPH_CACHE_DIR``, for ``cache_dir=None``.)
         """
         env: dict[str, Any] = {}
         for var, name in (("PIECEGRAPH_MODE", "mode"), ("PIECEGRAPH_COMPILER", "compiler")):
@@ -189,13 +215,14 @@ def _check_int(name: str, value: Any, low: int, hint: str = "") -> None:
         raise ValueError(f"{name}={describe(value)} must be an int >= {low}{extra}")
 
 
-def _compile_sizes(sizes: Any, capture: tuple[int, ...]) -> tuple[int, ...] | str:
+def _compile_sizes(sizes: Any, capture: tuple[int, ...]) -> tuple[int, ...] | str | None:
     # Static code runs only where a size is warmed up and captured, so a size that is never captured is a typo.
-    if sizes == "auto":
-        return "auto"
+    if sizes is None or sizes in ("auto", "reductions"):
+        return sizes
     if isinstance(sizes, (int, str, bytes)) or not hasattr(sizes, "__iter__"):
         raise ValueError(f"compile_sizes={describe(sizes)} must be a list of capture sizes, e.g. compile_sizes=(256,),"
-                         " or 'auto' (every capture size, kept where it measures faster)")
+                         " 'auto' (every capture size, kept where it measures faster) or 'reductions' (the same, "
+                         "for programs that reduce over the token dimension)")
     values = tuple(sorted(set(sizes)))
     stray = [s for s in values if s not in capture]
     if stray:

@@ -11,7 +11,7 @@ import torch
 from .config import Config
 from .program import check_token_dim
 from .runner import FlatRunner
-from .trace.backend import build_program
+from .trace.backend import build_program, graph_memory
 
 
 def piecegraph_backend(
@@ -30,6 +30,7 @@ def piecegraph_backend(
     config = options.pop("config", None) or Config()
     if options:
         config = config.replace(**options)
+    memory = graph_memory(gm, config)
     program = build_program(gm, example_inputs, config)
     check_token_dim({program.names[i]: example_inputs[i] for i in program.caller_inputs}, config.token_dim)
-    return FlatRunner(program, config)
+    return FlatRunner(program, config, memory=memory)

@@ -6,7 +6,9 @@ import contextlib
 import copy
 import inspect
 import logging
+import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -14,9 +16,12 @@ import torch
 
 from .auto import setup_auto
 from .binding import Binding, arguments_by_name, scratch_arguments, static_suspect
-from .build import breakable_model, static_from_mismatch, trace_model
+from .build import Startup, breakable_model, static_from_mismatch, trace_model
+from .cache import compile_cache
 from .config import Config
+from .graphs.capture import capture_batch
 from .graphs.fallback import Advisor, NoAdvice, TraceFixes, trace_or_explain
+from .graphs.progress import capture_bar, summary, wants_bar
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
 from .program import TokenCountMismatch, check_token_dim, describe, kept_buffers, token_arguments
@@ -64,6 +69,7 @@ class GraphedModule(torch.nn.Module):
         self._traced_counts: dict[str, int] = {}  # each tensor argument's dim token_dim at the trace
         self._weights = WeightWatch(model)
         self._trace_fixes: TraceFixes | None = None  # what automatic opaque wrapped (routes undone on release)
+        self._startup = Startup()
 
     def __deepcopy__(self, memo: dict) -> GraphedModule:
         """A copy of the model, compiled anew on its first call (compiled code and graphs are not copied)."""
@@ -135,15 +141,24 @@ class GraphedModule(torch.nn.Module):
         """Prewarm, trace (or probe), bind. Every run here is piecegraph's own: it runs on copies of the caller's
         tensors, and the model's buffers are restored afterwards, so the call that follows is the only one the
         caller's data and the model's visible state see."""
-        mode, td = self.config.mode, self.config.token_dim
+        td = self.config.token_dim
         check_token_dim(values, td, self.config.static_inputs)
         self._traced_training = self.model.training
         self._traced_counts = {k: v.shape[td] for k, v in values.items()
                                if isinstance(v, torch.Tensor) and v.dim() > td}
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
+        self._startup = Startup()
+        start = time.perf_counter()
+        with compile_cache(self.model, values, self.config, self._startup.cache):
+            self._setup_stages(values)
+        self._startup.setup_s = time.perf_counter() - start
+
+    def _setup_stages(self, values: dict[str, Any]) -> None:
+        """Prewarm, then trace and compile as the mode says (timed into ``self._startup``)."""
+        mode = self.config.mode
         with kept_buffers(self.model):
             if self.config.prewarm:
-                prewarm(self.model, **scratch_arguments(values))
+                self._startup.prewarm_s = prewarm(self.model, **scratch_arguments(values)).seconds
             if mode == "breakable":  # no trace to see token-mixing ops in: verify unless told otherwise
                 verify = True if self.config.verify is None else self.config.verify
                 self._setup_breakable(values, self.config.replace(verify=verify))
@@ -165,7 +180,8 @@ class GraphedModule(torch.nn.Module):
         a token input is added to the static inputs (this module's config too) and the model traced again."""
         while True:
             try:
-                self._compiled, self._binding = trace_model(self.model, values, config, self._runners, verify_sizes)
+                self._compiled, self._binding = trace_model(self.model, values, config, self._runners, verify_sizes,
+                                                            self._startup)
                 break
             except Exception as err:  # noqa: BLE001  (Dynamo wraps the backend's error)
                 static = static_suspect(err, values, config.token_dim, config.static_inputs)
@@ -217,15 +233,23 @@ class GraphedModule(torch.nn.Module):
         tokens (every token input ``n`` long in dim ``token_dim``) and the forward context metadata to run them
         with (``None`` for none). Dummy values are fine as long as the split ops accept them. Anything else is
         refused, naming ``make_inputs``, the size and what it returned. Returns the seconds each size took.
+        Several sizes show a progress bar (``Config.progress``); the start-up summary is logged at INFO.
         """
         from .context import forward_context
 
         sizes = sorted(sizes or self.config.sizes, reverse=True)
-        for n in sizes:
-            args, meta = _capture_inputs(make_inputs, n)
-            _check_capture_tokens(self._arguments(args, {}), n, self.config)
-            with forward_context(meta) if meta is not None else contextlib.nullcontext():
-                self(*args)
+        with capture_bar(self.config.progress, sizes) as update, capture_batch():
+            for done, n in enumerate(sizes):
+                update(n, done)
+                args, meta = _capture_inputs(make_inputs, n)
+                _check_capture_tokens(self._arguments(args, {}), n, self.config)
+                with forward_context(meta) if meta is not None else contextlib.nullcontext():
+                    self(*args)
+        if len(sizes) > 1:
+            line = summary(self.stats()["startup"])
+            log.info(line)
+            if wants_bar(self.config.progress, len(sizes)):  # the bar's reader sees where the seconds went
+                print(line, file=sys.stderr)
         return {s: self.runner.capture_s.get(s, 0.0) for s in sizes}
 
     @contextlib.contextmanager
@@ -240,9 +264,24 @@ class GraphedModule(torch.nn.Module):
         """``sizes``, ``pieces``, ``capture_s`` per size, ``pool_bytes``, ``replays``, ``fallbacks`` and more."""
         stats = self.runner.stats()
         stats["recompiles"] = len(self._runners) - 1
+        stats["startup"] = self.startup_report(stats)
         if self._trace_fixes is not None:  # each function automatic opaque wrapped: its piecegraph.opaque line
             stats["auto_opaque"] = dict(self._trace_fixes.wrapped)
         return stats
+
+    def startup_report(self, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Seconds per start-up stage (see :class:`~piecegraph.build.Startup`), capture seconds over every size,
+        ``ready_s`` (setup + capture), the pool's bytes, and the cache's doing. ``import_s``: what
+        ``import piecegraph`` took in this process (torch included when piecegraph imported it first)."""
+        # Read, not imported: the package's __init__ sits above this stage and sets IMPORT_S once, at its end
+        import_s = getattr(sys.modules.get(__package__ or "piecegraph"), "IMPORT_S", None)
+        stats = stats or self.runner.stats()
+        s = self._startup
+        capture = sum(stats["capture_s"].values())
+        return {"import_s": import_s, "prewarm_s": s.prewarm_s, "trace_s": s.trace_s, "compile_s": s.compile_s,
+                "setup_s": s.setup_s, "capture_s": capture, "ready_s": s.setup_s + capture,
+                "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
+                "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"), **s.cache}
 
 
 def _capture_inputs(make_inputs: Callable[[int], Any], n: int) -> tuple[tuple[Any, ...], Any]:

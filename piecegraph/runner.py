@@ -11,6 +11,7 @@ import torch
 
 from .config import Config
 from .graphs.capture import pool_bytes
+from .graphs.memory import GraphMemory, GraphMemoryError, fit_sizes
 from .outputs import cut_to_tokens
 from .program import Program
 from .replay import Replayer
@@ -29,22 +30,28 @@ class FlatRunner:
 
     Built with everything it decides by: ``tracing`` (the first call is the trace itself: no graphs, until
     :meth:`end_trace`), ``graphs`` (default: the mode captures graphs), ``verify_sizes`` (how many captured sizes
-    to verify, default every one when ``config.verify``, else none) and ``names`` (inputs' labels in errors,
-    refined by :meth:`label_inputs`).
+    to verify, default every one when ``config.verify``, else none), ``names`` (inputs' labels in errors,
+    refined by :meth:`label_inputs`) and ``memory`` (the graphs' estimated memory per size: sizes over
+    ``config.graph_memory_limit`` are left out, and none fitting is refused at the first graphed call).
     """
 
     def __init__(self, program: Program, config: Config, names: Sequence[str] | None = None, *,
-                 tracing: bool = False, graphs: bool | None = None, verify_sizes: float | None = None):
+                 tracing: bool = False, graphs: bool | None = None, verify_sizes: float | None = None,
+                 memory: GraphMemory | None = None):
         self.program = program
         self.config = config
         self.state = program.state
         self.staging = Staging(program, config.token_dim, names or program.names)
+        self.graphs = config.mode in ("piecewise", "full", "breakable") if graphs is None else graphs
+        self.memory = memory
+        sizes, self.refusal = config.sizes if program.dynamic else (), None
+        if memory is not None and config.graph_memory_limit is not None and sizes and self.graphs:
+            sizes, self.refusal = fit_sizes(memory, sizes, config.graph_memory_limit)
         # Padding would change an op's result: only exact capture sizes replay (trace/mixing.py says which op).
-        self.table = SizeTable(config.sizes if program.dynamic else (), exact=bool(program.token_mixing))
+        self.table = SizeTable(sizes, exact=bool(program.token_mixing))
         self.replayer = Replayer(program, config, self.staging, self.table, verify_sizes)
         self.fallbacks = 0
         self.tracing = tracing
-        self.graphs = config.mode in ("piecewise", "full", "breakable") if graphs is None else graphs
         self.last_outputs: tuple[Any, ...] | None = None
         if self.table.exact and self.graphs and not tracing:
             self._warn_exact()
@@ -82,6 +89,8 @@ class FlatRunner:
         flat = self.staging.with_count(flat, n)
         if self.tracing or not self.graphs or (self.staging.buffers is None and not self._graphs_possible(flat)):
             return self._run(flat)
+        if self.refusal is not None:
+            raise GraphMemoryError(self.refusal)
         if not self.table.sizes:  # a static graph: its one size is the traced one
             self.replayer.set_static(n)
         size = self.table.bucket(n)
@@ -177,7 +186,20 @@ class FlatRunner:
             "token_mixing": [str(op) for op in self.program.token_mixing],
             "static_compile_s": self.program.static_compile_s,
             "static_sizes": _static_choices(self.program.pieces),
+            "graph_memory": self._memory_stats(),
         }
+
+    def _memory_stats(self) -> dict[str, Any]:
+        """The estimate before capture (per size, and the pool: the largest kept size's), for comparison with
+        ``pool_bytes``, what capture used."""
+        if self.memory is None:
+            return {}
+        kept = [s for s in self.table.sizes if s in self.memory.pool]
+        return {"estimate_bytes": dict(self.memory.pool), "live_bytes": dict(self.memory.live),
+                "pool_estimate_bytes": max((self.memory.pool[s] for s in kept), default=0),
+                "workspace_bytes": self.memory.workspace_bytes,
+                "left_out": sorted(set(self.memory.pool) - set(self.table.sizes)),
+                "limit": self.config.graph_memory_limit}
 
 
 def _static_choices(pieces: Sequence[Any]) -> dict[int, dict[str, Any]]:

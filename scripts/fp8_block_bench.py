@@ -4,7 +4,7 @@ tokens. Median of CUDA-event-timed calls after warm-up (``bench.harness.time_ms`
 mode's error against eager; JSON written after every mode (a run cut short keeps what it measured).
 ``moe`` times the FP8 mixture-of-experts block (scripts/fp8_moe_block.py: FlashInfer's sm90 grouped GEMM through
 a method of a FlashInfer object) instead, compiled with ``token_mixing="pad"`` (its sort is padding-safe).
-Usage: fp8_block_bench.py OUT.json [dense|moe]"""
+Usage: fp8_block_bench.py OUT.json [dense|moe] [MODES, comma-separated; default all]"""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ MODES = {"eager": None, "breakable": {"mode": "breakable"}, "auto": {"mode": "au
          "auto-static": {"mode": "auto", "compile_sizes": "auto"}}
 
 
-def main(out: str, block: str = "dense") -> None:
+def main(out: str, block: str = "dense", modes: str = ",".join(MODES)) -> None:
     import flashinfer
 
     torch.manual_seed(0)
@@ -39,7 +39,8 @@ def main(out: str, block: str = "dense") -> None:
                       "flashinfer": flashinfer.__version__, "sizes": SIZES, "block": block}, "modes": {}}
     with torch.no_grad():
         reference = {n: model(x) for n, x in inputs.items()}
-        for name, options in MODES.items():
+        for name in modes.split(","):
+            options = MODES[name]
             start = time.perf_counter()
             fn = model if options is None else piecegraph.compile(model, capture_sizes=SIZES, **options, **extra)
             row = {"ms": {}, "rel_err": {}}
@@ -62,11 +63,12 @@ def main(out: str, block: str = "dense") -> None:
             piecegraph.unfreeze()
             torch._dynamo.reset()
     ratios = {n: {m: result["modes"]["breakable"]["ms"][n] / result["modes"][m]["ms"][n]
-                  for m in ("auto", "auto-static") if m in result["modes"]} for n in SIZES}
+                  for m in ("auto", "auto-static") if m in result["modes"]} for n in SIZES
+              } if "breakable" in result["modes"] else {}
     result["speedup_over_breakable"] = ratios
     Path(out).write_text(json.dumps(result, indent=1, default=str))
     print("speedup over breakable", json.dumps(ratios))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

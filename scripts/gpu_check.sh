@@ -3,13 +3,15 @@
 # benchmark sweep (scripts/gpu_bench.sh). Logs and JSON go under OUTDIR.
 # Usage: scripts/gpu_check.sh OUTDIR   (PARTS="tests overhead attention-cost doctor bench serve" by default:
 # pick a subset to split the work over several calls). "serve" runs the serving benchmark (serve-bench) at
-# concurrency 1, 10, 256, 1024 for every engine mode; SERVE_REQUESTS overrides its request counts. "hf-bench"
+# concurrency 1, 10, 256, 1024 for every engine mode and the synchronous auto loop (auto-sync); SERVE_MODES,
+# SERVE_CONC and SERVE_REQUESTS override its modes, concurrencies and request counts. "hf-bench"
 # times a random 0.5B-shaped transformers Qwen2 through piecegraph.hf beside the reference decoder (same weights;
 # HF_WHICH="hf" for the transformers model only, HF_MODES for other modes, e.g. piecewise,piecewise-static).
 # "static-bench" times piecewise with and without static compiles per size (compile_sizes="auto") beside
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
-# eager, breakable, auto and auto with static compiles; "fp8-moe" the same for the FP8 MoE block on FlashInfer's
-# sm90 grouped GEMM (scripts/fp8_moe_block.py). "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
+# sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
+# (first JIT, cold, warm) and checks the graph memory estimate. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -110,7 +112,8 @@ if has static-bench; then  # static compiles per size (compile_sizes="auto") bes
     "$OUT/static_bench.json"
 fi
 if has fp8-block; then  # issue 21's FP8 block: eager, breakable, auto (automatic opaque), auto + static compiles
-  python3 scripts/fp8_block_bench.py "$OUT/fp8_block_bench.json" 2>&1 | tee "$OUT/fp8_block_bench.log"
+  python3 scripts/fp8_block_bench.py "$OUT/fp8_block_bench.json" dense ${FP8_MODES:-eager,breakable,auto,auto-static} \
+    2>&1 | tee "$OUT/fp8_block_bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has fp8-moe; then  # the FP8 MoE block on FlashInfer's sm90 grouped GEMM (a method wrapped by automatic opaque)
@@ -119,9 +122,15 @@ if has fp8-moe; then  # the FP8 MoE block on FlashInfer's sm90 grouped GEMM (a m
 fi
 if has serve; then  # alone on the GPU: continuous batching, every mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
-    --modes eager,breakable,piecewise,auto --concurrency 1,10,256,1024 --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
+    --modes "${SERVE_MODES:-eager,breakable,piecewise,auto,auto-sync}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
+    --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
     --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
     --json "$OUT/serve_bench.json" --plot "$OUT/serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh processes) and the graph memory estimate
+  PIECEGRAPH_OUT="$OUT" python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 \
+    | tee "$OUT/startup_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench at TP 1 and 2 on two shapes

@@ -178,10 +178,13 @@ def collect_breaks() -> Iterator[_Collector]:
 
 # ------------------------------------------------------------------------------------------------ tracing
 def run_under(context: Any, fn: Callable[[], Any]) -> Any:
-    """``fn()`` under ``torch.no_grad()`` and, when ``context`` is not None, ``piecegraph.forward_context``."""
-    from piecegraph.context import forward_context
+    """``fn()`` under ``torch.no_grad()`` and, when ``context`` is not None, ``piecegraph.forward_context``;
+    a context that is already the active one (the doctor or auto mode called from inside the caller's ``with
+    forward_context(meta):``) is used as it is: contexts do not nest."""
+    from piecegraph.context import current_forward_context, forward_context
 
-    with torch.no_grad(), (forward_context(context) if context is not None else contextlib.nullcontext()):
+    enter = context is not None and current_forward_context() is not context
+    with torch.no_grad(), (forward_context(context) if enter else contextlib.nullcontext()):
         return fn()
 
 

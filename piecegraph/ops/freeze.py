@@ -31,11 +31,6 @@ import torch
 
 from piecegraph.ops.modules import LRU, functools_caches, in_package, rebind_everywhere
 
-try:  # runs a callback while Dynamo traces: how a miss surfaces as FrozenCacheMiss rather than a wrapped error
-    from torch._dynamo.comptime import comptime as _comptime
-except ImportError:  # pragma: no cover - very old torch
-    _comptime = None
-
 __all__ = ["freeze", "freeze_package", "unfreeze", "frozen_functions", "FrozenCacheMiss", "FreezeError"]
 
 log = logging.getLogger(__name__)
@@ -71,6 +66,7 @@ class _Frozen:
     strict: bool = False
     limit: Optional[int] = None  # a bounded lru_cache stays bounded: eager misses stop being recorded here
     entries: int = 0  # bound keys in the table (aliases not counted)
+    comptime: Optional[Callable] = None  # Dynamo's comptime, imported when freezing (see _comptime)
 
     def keep(self, key: tuple, args: tuple, kwargs: dict, value: Any) -> None:
         """Record ``value`` under its bound key, and under ``args`` (the fast path) for a call without kwargs."""
@@ -171,8 +167,8 @@ def _raise_in_trace(ctx: Any) -> None:
 def _miss(record: _Frozen, key: tuple, args: tuple, kwargs: dict) -> Any:
     name = record.name
     if torch.compiler.is_compiling():
-        if _comptime is not None:
-            _comptime(_raise_in_trace)
+        if record.comptime is not None:  # read off the record: Dynamo sees the very comptime function
+            record.comptime(_raise_in_trace)
         raise FrozenCacheMiss(f"frozen loader {name} was called while tracing with arguments it never saw warm")
     if _capturing():
         raise FrozenCacheMiss(_describe(name, args, kwargs, "CUDA graph capture"))
@@ -189,6 +185,17 @@ def _miss(record: _Frozen, key: tuple, args: tuple, kwargs: dict) -> Any:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _comptime() -> Optional[Callable]:
+    """Dynamo's ``comptime``, which runs a callback while Dynamo traces: how a miss surfaces as FrozenCacheMiss
+    rather than a wrapped error. Imported here, when a loader is frozen, not when piecegraph is: importing
+    ``torch._dynamo`` costs about 1.5 s, and ``import piecegraph`` must not pay it."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    return comptime
 
 
 def _make_frozen(record: _Frozen) -> Callable:
@@ -222,7 +229,7 @@ def replace_everywhere(mapping: dict[int, tuple[Any, Any]]) -> int:
 def _prepare(fn: Callable, calls: Optional[Iterable[Any]], strict: bool) -> _Frozen:
     if not isinstance(fn, LRU) or not hasattr(fn, "cache_info"):
         raise FreezeError(f"freeze: {fn!r} is not a functools.cache / lru_cache function")
-    record = _Frozen(name=_qualified(fn), original=fn, strict=strict)
+    record = _Frozen(name=_qualified(fn), original=fn, strict=strict, comptime=_comptime())
     if calls is None:
         if fn.cache_info().currsize == 0:
             raise FreezeError(f"freeze: {record.name} is not warm (its cache is empty). Call it first, e.g. run "

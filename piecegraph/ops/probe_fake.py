@@ -5,8 +5,11 @@ Input: :class:`Call` records, each one call the model made (arguments by paramet
 the call) at ``tokens`` tokens, and optionally the same call's argument shapes at another token count (``twin``).
 The token dimensions of each argument are those that changed between the two (``a * tokens + b``); without a
 twin, those equal to ``tokens`` in arguments that are not the model's parameters or buffers (``tokens >= 2``
-needed: with one token every size-1 dimension would qualify). A static size taken for a token dimension this way
-is caught by the guard (:class:`Case`): every token dimension of a traced call must be the same count.
+needed: with one token every size-1 dimension would qualify). Without a twin (a model run in a forward context,
+whose metadata fixes the token count) a dimension of ``k * tokens`` rows (``2 <= k <= 8``: a mixture of experts'
+top-k (token, expert) rows) is tried as a token dimension first, and taken as static if probing it so fails. A
+static size taken for a token dimension this way is caught by the guard (:class:`Case`): every token dimension of
+a traced call must be the same count.
 
 Probing: each distinct call runs at ``t``, ``t + 3`` and ``2t + 5`` tokens (``t`` the recorded count; token
 dimensions cut or tiled from the recorded data, everything else as recorded), once more at ``t + 3`` on other
@@ -76,9 +79,20 @@ def shape_of(value: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- token dimensions
-def _dims(name: str, shape: tuple, twin: Optional[tuple], t: int, t2: int) -> tuple:
+ROWS_PER_TOKEN = 8  # the most rows per token a dimension without a twin is tried as (top-k of a mixture of experts)
+
+
+def _untwinned(s: int, t: int, multiples: bool) -> Optional[tuple]:
+    if s == t:
+        return (1, 0)
+    if multiples and s % t == 0 and 2 <= s // t <= ROWS_PER_TOKEN:
+        return (s // t, 0)
+    return None
+
+
+def _dims(name: str, shape: tuple, twin: Optional[tuple], t: int, t2: int, multiples: bool = False) -> tuple:
     if twin is None:
-        return tuple((1, 0) if s == t else None for s in shape)
+        return tuple(_untwinned(s, t, multiples) for s in shape)
     if len(twin) != len(shape):
         raise ProbeRefused(f"argument {name!r} has rank {len(shape)} at {t} tokens and {len(twin)} at {t2}")
     dims = []
@@ -91,8 +105,9 @@ def _dims(name: str, shape: tuple, twin: Optional[tuple], t: int, t2: int) -> tu
     return tuple(dims)
 
 
-def token_dims(call: Call) -> dict[str, Any]:
-    """Per tensor argument, per dimension: ``(a, b)`` when it is ``a * tokens + b``, None when static."""
+def token_dims(call: Call, multiples: bool = False) -> dict[str, Any]:
+    """Per tensor argument, per dimension: ``(a, b)`` when it is ``a * tokens + b``, None when static.
+    ``multiples``: without a twin, also take ``k * tokens`` sizes as token dims (module docstring)."""
     if call.twin is None and call.tokens < 2:
         raise ProbeRefused("the model ran with one token, where every size-1 dimension looks like the token one; "
                            "call it first with two or more tokens")
@@ -110,9 +125,10 @@ def token_dims(call: Call) -> dict[str, Any]:
             if twin is not None and len(twin) != len(shape):
                 raise ProbeRefused(f"list argument {name!r} has {len(shape)} tensors at {call.tokens} tokens and "
                                    f"{len(twin)} at {call.twin_tokens}")
-            out[name] = tuple(_dims(name, s, w, call.tokens, call.twin_tokens) for s, w in zip(shape, twins))
+            out[name] = tuple(_dims(name, s, w, call.tokens, call.twin_tokens, multiples)
+                              for s, w in zip(shape, twins))
         else:
-            out[name] = _dims(name, shape, twin, call.tokens, call.twin_tokens)
+            out[name] = _dims(name, shape, twin, call.tokens, call.twin_tokens, multiples)
     return out
 
 
@@ -330,14 +346,23 @@ def _check(fake_impl: Callable, names: list[str], real: Shot, values: dict[str, 
 def infer_fake(fn: Callable, calls: list[Call]) -> Inferred:
     """Probe ``fn`` on ``calls`` (all at one token count) and return the checked fake (see the module docstring);
     :class:`ProbeRefused` naming the reason when no fake can be trusted."""
-    params = list(inspect.signature(fn).parameters.values())
     if not calls:
         raise ProbeRefused("it was not called in the recorded forward")
+    if any(token_dims(c, multiples=True) != token_dims(c) for c in calls):
+        try:  # k * tokens rows taken for token dims; when probing them so fails, they are static after all
+            return _infer(fn, calls, multiples=True)
+        except ProbeRefused:
+            pass
+    return _infer(fn, calls, multiples=False)
+
+
+def _infer(fn: Callable, calls: list[Call], multiples: bool) -> Inferred:
+    params = list(inspect.signature(fn).parameters.values())
     t = calls[0].tokens
     sizes = probe_sizes(t)
     shots, layouts, written = [], [], set()
     for call in calls:
-        dims = token_dims(call)
+        dims = token_dims(call, multiples)
         runs = [_shot(fn, params, _at(call, dims, n), n) for n in sizes[:3]]
         try:
             other = _shot(fn, params, _other_data(_at(call, dims, sizes[1])), sizes[1])

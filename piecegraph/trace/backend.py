@@ -11,6 +11,7 @@ from torch._guards import detect_fake_mode
 
 from ..config import Config
 from ..graphs.capture import GraphedPiece
+from ..graphs.memory import GraphMemory, estimate_graph_memory
 from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
 from .mixing import MixingOp, find_token_mixing
@@ -154,12 +155,11 @@ def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: st
 
 def _compile_pieces(
     split_gm: torch.fx.GraphModule, infos: list[PieceInfo], fake_args: list[Any], fake_mode: Any, config: Config,
-    token_symbols: Any,
+    token_symbols: Any, sizes: tuple[int, ...],
 ) -> tuple[dict[str, Callable[..., Any]], dict[str, dict[int, Callable[..., Any]]], float]:
     """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs, and
-    again per static compile size (``{piece: {size: fn}}``, with the seconds those took)."""
+    again per static compile size in ``sizes`` (``{piece: {size: fn}}``, with the seconds those took)."""
     wanted = {info.name for info in infos if not info.is_split and info.num_ops > 0}
-    sizes = _static_sizes(config, token_symbols)
     compiled: dict[str, Callable[..., Any]] = {}
     static: dict[str, dict[int, Callable[..., Any]]] = {}
     seconds = [0.0]
@@ -184,10 +184,15 @@ def _compile_pieces(
     return compiled, static, seconds[0]
 
 
-def _static_sizes(config: Config, token_symbols: Any) -> tuple[int, ...]:
-    """The sizes that get a static compile: none for a static trace (it is one already) or the eager compiler."""
+def _static_sizes(config: Config, token_symbols: Any, gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """The sizes that get a static compile: none for a static trace (it is one already) or the eager compiler.
+    Under ``compile_sizes="reductions"``: every capture size when ``gm`` reduces or works along the token
+    dimension outside split ops and the choice per size will be measured (CUDA, real graphs), else none."""
     if not token_symbols or config.compiler != "inductor":
         return ()
+    if config.compile_sizes == "reductions":
+        measured = torch.cuda.is_available() and not config.emulate_graphs
+        return config.sizes if measured and find_token_mixing(gm, token_symbols) else ()
     return config.static_compile_sizes
 
 
@@ -218,19 +223,21 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     # Measuring runs a piece several times on the same arguments and captures it into a throwaway graph: only
     # for programs that write no input, and never for mode="full", whose one graph holds the split ops (they may
     # plan or write state that only their own capture may touch).
-    measure = config.compile_sizes == "auto" and not written and config.mode != "full"
+    measure = config.compile_sizes in ("auto", "reductions") and not written and config.mode != "full"
+    static_sizes = _static_sizes(config, sym, gm)  # before Inductor rewrites gm
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
         with fake_mode:
             fn = _compile_piece(gm, fake_args, config.compiler)
-        sizes = _static_sizes(config, sym)
-        static, static_s = compile_static(gm, fake_args, sym, sizes, "graph", single) if sizes else ({}, 0.0)
+        static, static_s = compile_static(gm, fake_args, sym, static_sizes, "graph", single) if static_sizes \
+            else ({}, 0.0)
         pieces = [GraphedPiece("graph", fn, state, static, measure)]
         call = pieces[0]
     else:
         split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
-        compiled, statics, static_s = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, sym)
+        compiled, statics, static_s = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, sym,
+                                                      static_sizes)
         pieces = []
         for info in infos:
             if info.name in compiled:
@@ -239,7 +246,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
                 pieces.append(piece)
         call = split_gm
     if static_s:
-        log.info("piecegraph: static compiles for sizes %s took %.1f s", _static_sizes(config, sym), static_s)
+        log.info("piecegraph: static compiles for sizes %s took %.1f s", static_sizes, static_s)
     return Program(
         call=call,
         state=state,
@@ -254,6 +261,19 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         mutated_inputs=written,
         static_compile_s=static_s,
     )
+
+
+def graph_memory(gm: torch.fx.GraphModule, config: Config) -> GraphMemory | None:
+    """The graphs' memory per capture size, estimated from ``gm`` before it is split or compiled (see
+    graphs/memory.py); ``None`` for a mode without graphs or a static trace (one size, known at its capture)."""
+    if config.mode not in ("piecewise", "full"):
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sym = _token_symbols([_fake(n) for n in placeholders], config.token_dim)
+    if not sym:
+        return None
+    return estimate_graph_memory(gm, sym, config.sizes, split_op_names(config.split_ops), config.compiler,
+                                 config.mode)
 
 
 def _token_mixing(gm: torch.fx.GraphModule, sym: Any, config: Config) -> list[MixingOp]:

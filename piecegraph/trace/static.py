@@ -12,10 +12,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-import sympy
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 log = logging.getLogger("piecegraph")
 
@@ -33,6 +30,11 @@ def static_fakes(fake_args: Iterable[Any], token_symbols: Iterable[Any], size: i
     """``fake_args`` (the trace's fakes, token count symbolic) as fakes of a fresh static mode where every token
     symbol is ``size``: same dtypes, devices and strides. Raises ``ValueError`` when a size depends on another
     symbol."""
+    # Imported here, not at module level: sympy and the shape env cost ~0.5 s that `import piecegraph` must not pay.
+    import sympy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     subs = {sym: sympy.Integer(size) for sym in token_symbols}
     mode = FakeTensorMode(shape_env=ShapeEnv())
     out: list[Any] = []

@@ -64,3 +64,54 @@ def test_compile_sizes_are_checked_where_they_are_written():
         piecegraph.Config(capture_sizes=(1, 2, 4), compile_sizes=(2, 3))
     assert piecegraph.Config(capture_sizes=(1, 4), compile_sizes="auto").static_compile_sizes == (1, 4)
     assert piecegraph.Config(capture_sizes=(1, 4), compile_sizes=[4, 4]).compile_sizes == (4,)
+
+
+class TensorScale(torch.nn.Module):
+    """Per-tensor scaling: an amax over every token (what Inductor's dynamic code handles worst)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.abs().amax().clamp(min=1e-6)
+
+
+def _traced(model: torch.nn.Module, n: int = 6):
+    from piecegraph.trace.backend import _token_symbols
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.randn(n, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    gm = graphs[0]
+    fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+    return gm, _token_symbols(fakes, 0)
+
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_reductions_compiles_static_sizes_only_for_a_program_that_reduces_over_tokens_on_cuda(on_cuda, monkeypatch):
+    from piecegraph.trace.backend import _static_sizes
+
+    config = piecegraph.Config(capture_sizes=(1, 16, 256), compile_sizes="reductions")
+    reducing, token_wise = _traced(TensorScale()), _traced(Block().eval())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: on_cuda)
+    assert _static_sizes(config, reducing[1], reducing[0]) == ((1, 16, 256) if on_cuda else ())
+    assert _static_sizes(config, token_wise[1], token_wise[0]) == ()  # the amax over hidden is row-wise
+    assert _static_sizes(config.replace(emulate_graphs=True), reducing[1], reducing[0]) == ()  # nothing measured
+
+
+def test_auto_mode_defaults_to_static_code_where_the_program_reduces_and_other_modes_to_none():
+    assert piecegraph.Config().compile_sizes is None and piecegraph.Config().static_compile_sizes == ()
+    seen = []
+
+    def try_trace(values, config, verify_sizes):
+        seen.append(config)
+
+    from piecegraph.auto import setup_auto
+
+    setup_auto(torch.nn.Identity(), {}, piecegraph.Config(mode="auto"), None, try_trace, None)
+    setup_auto(torch.nn.Identity(), {}, piecegraph.Config(mode="auto", compile_sizes=()), None, try_trace, None)
+    assert [c.compile_sizes for c in seen] == ["reductions", ()] and seen[0].mode == "piecewise"

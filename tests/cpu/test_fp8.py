@@ -4,6 +4,7 @@ of the same quantization, pad rows, and graphs (piecewise / full / auto) token f
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -126,3 +127,51 @@ def test_fp8_moe_graphs_generate_like_eager_fp8(prefill_mode, decode_mode):
     assert got == expected
     assert prefill.stats()["fallbacks"] == 0 and decode.stats()["replays"] >= 4
     assert prefill.stats()["token_mixing"] == [] and prefill.stats()["sizes"] == [16]  # 15 tokens, padded
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    """One stand-in ``flashinfer`` module for the tests of this file: a process keeps one module object, and Dynamo
+    remembers the one it imported (a module swapped for another between traces is not what a user does)."""
+    import types
+
+    import jitlib_auto
+
+    module = types.ModuleType("flashinfer")
+    module.bmm_fp8, module.SegmentGEMMWrapper = jitlib_auto.bmm_fp8, jitlib_auto.SegmentGemm
+    return module
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch, stand_in):
+    """The stand-in ``flashinfer`` (tests/cpu/jitlib_auto: loaders that stop Dynamo, listed in no adapter) with
+    ``bmm_fp8`` and ``SegmentGEMMWrapper``, so the FP8 decoders' ``"flashinfer"`` path runs on CPU."""
+    from piecegraph.models import fp8_moe
+
+    module = stand_in
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(fp8_moe, "fp8_kernels_run", lambda device: True)
+    monkeypatch.setattr(fp8_moe, "WORKSPACE_BYTES", 16)
+    yield module
+    piecegraph.unfreeze()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "auto"])
+def test_fp8_moe_decoder_on_jit_kernels_nobody_adapted_traces_with_automatic_opaque(fake_flashinfer, mode):
+    model = quantize_fp8(MoEDecoder.random(TINY_MOE, seed=3), kernel="flashinfer")
+    expected = generate(model, PROMPTS, max_new_tokens=5, cache=_cache(TINY_MOE))  # eager, the same kernels
+    options = {"compiler": "eager", "emulate_graphs": True, "auto_opaque": True}
+    prefill = piecegraph.compile(model, mode="piecewise" if mode == "piecewise" else "auto", capture_sizes=(16,),
+                                 **options)
+    decode = piecegraph.compile(model, mode="full" if mode == "piecewise" else "auto", capture_sizes=(4,), **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = generate(model, PROMPTS, max_new_tokens=5, prefill_fn=prefill, decode_fn=decode,
+                       cache=_cache(TINY_MOE))
+    assert got == expected
+    for graphed in (prefill, decode):
+        stats = graphed.stats()
+        assert stats["mode"] in ("piecewise", "full") and stats["fallbacks"] == 0, stats
+    # the first module wraps both entries; the second traces through the routes the first left
+    assert set(prefill.stats()["auto_opaque"]) == {"jitlib_auto.bmm_fp8", "jitlib_auto.SegmentGemm.run"}

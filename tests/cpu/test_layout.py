@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "piecegraph"
 # Bottom to top; a module may import its own stage and any stage before it.
 STAGES = [
-    ("program", "config", "context"),  # the types and the one config every stage shares
+    ("_import_clock", "program", "config", "context"),  # the types and the one config every stage shares
     ("ops",),  # JIT safety: opaque, freeze, prewarm, split ops, module editing
+    ("cache",),  # the artifact cache: key, store (lock, atomic writes), torch's and FlashInfer's caches pointed at it
     ("adapters", "graphs"),  # library adapters (on ops); capture, replay, static context, breakable capture
     ("trace",),  # Dynamo graph -> split -> compiled pieces (a Program)
     ("staging", "sizes", "replay", "outputs", "runner"),  # a Program run per call: stage, bucket, replay, cut
@@ -28,6 +29,7 @@ STAGES = [
     ("api",),  # piecegraph.compile (engine + the doctor's advice)
     ("__init__",),  # the package's public names
     ("serve",),  # continuous batching: scheduler, pages, per-step dispatch of full/piecewise graphs; serve-bench
+    ("server",),  # the OpenAI-compatible HTTP server on the engine; serve-bench --url's client
     ("bench", "cli"),  # benchmark and command line
 ]
 RANK = {name: i for i, names in enumerate(STAGES) for name in names}

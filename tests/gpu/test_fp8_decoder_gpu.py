@@ -3,12 +3,17 @@ a GPU: kernels against the torch kernel on the same e4m3 values, the decoder aga
 graph mode against eager FP8, with nothing adapted by hand (automatic opaque wraps both FlashInfer entries).
 
 Bounds (piecegraph/models/fp8.py): each FP8 GEMM output is within (2^-3 + 2^-8)(|x| @ |w|^T) of the exact product,
-so to first order a layer's output moves by at most ~2^-3 relative; the whole model against its bf16 weights is
-held to that (the CPU test measures 0.08 on the tiny preset). Compiled against eager FP8: Inductor's fused
-quantization sees inputs one bf16 ulp apart now and then, which moves an element to the neighbouring e4m3 value;
-both are within the e4m3 bound of the exact model, so the same 2^-3 holds (tests/gpu/test_fp8_moe_gpu.py says why).
-FlashInfer against torch on the same e4m3 values: the products are exact in float32 either way; only the order of
-the sums and the bf16 result differ: 2^-7 relative.
+so to first order a sparse MLP block's output moves by at most ~2^-3 relative against its bf16 weights on the same
+input (the router stays bf16, so the experts chosen are the same): asserted per layer. The whole model against its
+bf16 weights is recorded, not bounded: across layers the FP8 error reaches the router's input, and with 60 experts
+and top-4 a near-tie between the 4th and 5th expert flips now and then, which swaps a quarter of a token's MoE
+output (routing is a discontinuous function; greedy tokens are judged by the near-tie judge elsewhere). Compiled
+against eager FP8: Inductor's fused quantization sees inputs one bf16 ulp apart now and then, which moves an element
+to the neighbouring e4m3 value; both are within the e4m3 bound of the exact model, so the same 2^-3 holds
+(tests/gpu/test_fp8_moe_gpu.py says why). FlashInfer against torch on the same e4m3 values: the linear's products
+are exact in float32 either way, only the order of the sums and the bf16 result differ (2^-7); the experts' grouped
+GEMM returns bf16 where torch keeps float32, so the second quantization sees inputs a bf16 ulp apart and, as above,
+one element in 16 to 32 moves one e4m3 step (2^-4 to 2^-3 of itself): held to 2^-4 (measured 0.016).
 """
 
 import pytest
@@ -53,7 +58,7 @@ def test_flashinfer_fp8_kernels_equal_the_torch_kernel_on_the_same_e4m3_values(r
     experts.append(block.experts)
     assert isinstance(experts[1], FP8Experts) and experts[1].kernel == "flashinfer"
     moe = _rel(experts[1](x, ids, weights), experts[0](x, ids, weights))
-    assert lin <= 2**-7 and moe <= 2**-7, (lin, moe)
+    assert lin <= 2**-7 and moe <= 2**-4, (lin, moe)
     record_result(RESULTS, "flashinfer_vs_torch_kernel", {"linear": lin, "experts": moe})
 
 
@@ -87,7 +92,7 @@ def test_every_mode_equals_eager_fp8_within_the_e4m3_bound_for_every_capture_siz
                 eager, exact = model(ids, meta.positions), base(ids, meta.positions)
                 got = graphed(ids, meta.positions)
             errors[n] = {"vs_eager_fp8": _rel(got, eager), "eager_fp8_vs_bf16": _rel(eager, exact)}
-            assert errors[n]["vs_eager_fp8"] <= 2**-3 and errors[n]["eager_fp8_vs_bf16"] <= 2**-3, (mode, n, errors)
+            assert errors[n]["vs_eager_fp8"] <= 2**-3, (mode, n, errors)
         stats = graphed.stats()
         results[mode] = {"errors": errors, "mode": stats.get("mode"), "auto_opaque": list(stats.get("auto_opaque")
                                                                                             or ())}
@@ -98,3 +103,16 @@ def test_every_mode_equals_eager_fp8_within_the_e4m3_bound_for_every_capture_siz
         piecegraph.unfreeze()
         torch._dynamo.reset()
     record_result(RESULTS, "modes", results)
+
+
+@torch.no_grad()
+def test_each_fp8_sparse_mlp_block_is_within_the_e4m3_bound_of_its_bf16_weights(record_result):
+    base = MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
+    model = quantize_fp8(MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(256, CFG.hidden_size, device="cuda", dtype=torch.bfloat16)
+    measured = []
+    for fp8_layer, layer in zip(model.model.layers, base.model.layers):
+        assert torch.equal(fp8_layer.mlp.route(x)[1], layer.mlp.route(x)[1])  # the router is not quantized
+        measured.append(_rel(fp8_layer.mlp(x), layer.mlp(x)))
+    assert max(measured) <= 2**-3, measured
+    record_result(RESULTS, "sparse_mlp_fp8_vs_bf16", measured)

@@ -1,0 +1,30 @@
+"""The artifact cache: what one start compiled, kept so that the next process with the same model and config
+starts warm (``Config(cache_dir=...)``, ``PIECEGRAPH_CACHE_DIR``, ``piecegraph cache info | clear``).
+
+Layout under the cache folder::
+
+    entries/<key>/mega.bin        torch.compiler.save_cache_artifacts() of the cold start (torch >= 2.7)
+    entries/<key>/manifest.json   the key's material, each file's size and sha256; written last
+    locks/<key>.lock              one start per key at a time (filelock, else fcntl)
+    inductor/                     TORCHINDUCTOR_CACHE_DIR during setup: Inductor's FX graph and AOTAutograd
+                                  caches and compiled kernels (content-addressed by Inductor itself)
+    flashinfer/                   FLASHINFER_WORKSPACE_BASE, when FlashInfer was not imported yet
+
+What each torch version gets: every torch piecegraph supports keeps Inductor's FX graph cache (and, from 2.6,
+AOTAutograd's) in ``inductor/``; torch >= 2.7 also gets the mega-cache blob, which refills those caches even
+when ``inductor/`` was cleared or the entry copied to another machine of the same GPU and versions. Dynamo still
+traces on a warm start (its precompile does not serialize a custom backend's split program); what a warm start
+saves is Inductor's code generation and kernel builds.
+
+Safety: an entry is used only when its manifest exists (written last, by atomic rename), its material equals
+this start's (a stale entry, e.g. another torch, is rebuilt) and every file's checksum matches (a corrupt or
+truncated one is rebuilt); a start holds its key's lock from lookup to publish, so a second process starting at
+once waits, then starts warm.
+"""
+
+from .key import cache_key, key_material
+from .paths import resolve_cache_dir
+from .session import compile_cache
+from .store import Store
+
+__all__ = ["Store", "cache_key", "compile_cache", "key_material", "resolve_cache_dir"]

@@ -1,0 +1,62 @@
+"""``piecegraph cache info | clear``: what the artifact cache holds, and emptying it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from piecegraph.cache.paths import default_cache_dir, resolve_cache_dir
+from piecegraph.cache.store import Store
+
+cache_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="The compile cache: what it holds (info), emptying it (clear).")
+
+_DIR = typer.Option(None, "--dir", help="the cache folder (default: $PIECEGRAPH_CACHE_DIR, else "
+                    "$XDG_CACHE_HOME/piecegraph, else ~/.cache/piecegraph)")
+
+
+def _root(folder: Optional[Path]) -> Path:
+    return resolve_cache_dir(folder) if folder is not None else default_cache_dir()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+@cache_app.command()
+def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """The cache folder, its entries (model, size, age, complete or not) and the bytes of each part."""
+    root = _root(folder)
+    rows = Store(root).entries()
+    parts = {name: _folder_bytes(root / name) for name in ("entries", "inductor", "flashinfer")}
+    if as_json:
+        typer.echo(json.dumps({"dir": str(root), "entries": rows, "bytes": parts}, indent=1, default=str))
+        return
+    typer.echo(f"piecegraph cache: {root} ({'absent' if not root.exists() else _mib(sum(parts.values()))})")
+    for name, size in parts.items():
+        typer.echo(f"  {name + '/':12} {_mib(size)}")
+    for row in rows:
+        age = f"{(time.time() - row['created']) / 3600:.1f} h old" if row["created"] else "no manifest"
+        state = "" if row["complete"] else " INCOMPLETE (rebuilt on next use)"
+        typer.echo(f"  {row['key']}  {row['model'] or '?'}  {_mib(row['bytes'])}  {age}{state}")
+
+
+@cache_app.command()
+def clear(folder: Optional[Path] = _DIR, yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")) -> None:
+    """Remove every entry and the Inductor and FlashInfer folders under the cache folder."""
+    root = _root(folder)
+    if not root.exists():
+        typer.echo(f"piecegraph cache: {root} is absent; nothing to clear")
+        return
+    if not yes:
+        typer.confirm(f"remove {root} and everything under it?", abort=True)
+    freed = Store(root).clear()
+    typer.echo(f"piecegraph cache: removed {root} ({_mib(freed)})")

@@ -1,0 +1,132 @@
+"""One start's use of the cache: look the key up under its lock, load a valid entry's artifacts into torch's
+caches before compiling, compile with Inductor's cache dir under the cache folder, publish on a cold start."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .key import cache_key, key_material
+from .paths import resolve_cache_dir
+from .store import LockTimeout, Store
+
+log = logging.getLogger("piecegraph")
+
+MEGA = "mega.bin"
+
+
+@contextlib.contextmanager
+def compile_cache(model: torch.nn.Module, values: dict[str, Any], config: Any, report: dict[str, Any]
+                  ) -> Iterator[None]:
+    """Around a GraphedModule's setup (trace and compile): nothing when the config has no cache; else warm
+    torch's caches from a valid entry first, or publish one after a cold setup that succeeded. Fills ``report``:
+    ``cache`` ("off", "warm", "cold", or "rebuilt (<why>)"), ``cache_key``, ``cache_load_s``, ``cache_save_s``
+    and Inductor's FX graph cache hits and misses during the block."""
+    root = resolve_cache_dir(config.cache_dir)
+    if root is None or config.mode == "breakable" or config.compiler != "inductor":  # nothing Inductor compiles
+        report["cache"] = "off"
+        yield
+        return
+    material = key_material(model, values, config)
+    key = cache_key(material)
+    store = Store(root)
+    report.update(cache_key=key, cache_dir=str(root))
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(store.locked(key))
+        except LockTimeout as err:  # a stuck peer must not stop the start: it runs without the cache
+            log.warning("%s; starting without the cache", err)
+            report["cache"] = "off (lock timeout)"
+            yield
+            return
+        stack.enter_context(inductor_dir(root))
+        stack.enter_context(flashinfer_workspace(root))
+        before = _fx_counters()
+        warm = _load(store, key, material, report)
+        yield
+        report["fx_graph_cache"] = {k: v - before.get(k, 0) for k, v in _fx_counters().items()}
+        if not warm or report["fx_graph_cache"]["fxgraph_cache_miss"]:  # a warm start that compiled: refresh it
+            _save(store, key, material, report)
+
+
+def _load(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> bool:
+    start = time.perf_counter()
+    found = store.load(key, material)
+    if found.files is not None and MEGA in found.files and _can_mega():
+        try:  # torch checks the blob too, and says None (with a logged warning) when it cannot use it
+            why = None if torch.compiler.load_cache_artifacts(found.files[MEGA]) is not None else "torch refused it"
+        except Exception as err:  # noqa: BLE001 - intact but unusable (torch's format moved): rebuild, never fail
+            why = f"{type(err).__name__}: {err}"
+        if why is not None:
+            found = type(found)(None, f"unloadable: {why}")
+    warm = found.files is not None
+    report["cache"] = "warm" if warm else ("cold" if found.reason == "absent" else f"rebuilt ({found.reason})")
+    report["cache_load_s"] = time.perf_counter() - start
+    if not warm and found.reason != "absent":
+        log.warning("piecegraph cache: entry %s not used, %s; compiling anew and replacing it", key, found.reason)
+    return warm
+
+
+def _save(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    files: dict[str, bytes] = {}
+    if _can_mega():
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            files[MEGA] = saved[0]
+    store.save(key, material, files, info={"torch": torch.__version__, "mega": MEGA in files})
+    report["cache_save_s"] = time.perf_counter() - start
+
+
+def _can_mega() -> bool:
+    """torch >= 2.7 has the mega-cache (one blob of every compile artifact of the process)."""
+    return hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+
+
+@contextlib.contextmanager
+def inductor_dir(root: Path) -> Iterator[None]:
+    """``TORCHINDUCTOR_CACHE_DIR`` set to ``root/inductor`` for the block (restored after, through torch's own
+    ``temporary_cache_dir``, which also resets the path caches Inductor keeps), unless the user set it: then
+    Inductor's caches stay where they said. Inductor writes its default folder into the variable itself on first
+    use; that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        yield
+        return
+    folder = root / "inductor"
+    folder.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(folder)):
+        yield
+
+
+@contextlib.contextmanager
+def flashinfer_workspace(root: Path) -> Iterator[None]:
+    """``FLASHINFER_WORKSPACE_BASE`` set to ``root/flashinfer`` for the block (its JIT kernels then build and
+    are found there) when FlashInfer is not imported yet (it reads the variable once, at import: a model that
+    imports FlashInfer at its top keeps FlashInfer's own ``~/.cache/flashinfer``) and the user did not set it."""
+    if "flashinfer" in sys.modules or os.environ.get("FLASHINFER_WORKSPACE_BASE"):
+        yield
+        return
+    folder = root / "flashinfer"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = str(folder)
+    try:
+        yield
+    finally:
+        os.environ.pop("FLASHINFER_WORKSPACE_BASE", None)
+
+
+def _fx_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {k: int(inductor.get(k, 0)) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
