@@ -3,7 +3,7 @@
 :func:`library_entries` lists the public functions (:mod:`piecegraph.diagnose.entry`) of every break inside an
 installed package, except those the FlashInfer adapter covers (its fakes are written by hand) and opaque ops.
 :func:`plan_wraps` records their calls in one eager forward of the model (a second one at ``tokens + 2`` tells
-the token dimensions apart, when no forward context pins the token count) and infers each fake
+the token dimensions apart; under a forward context its extra rows are pad rows) and infers each fake
 (:mod:`piecegraph.ops.auto_opaque`); nothing is registered or routed yet, so the doctor can print the lines
 and ``--fix`` / auto mode apply them.
 
@@ -31,6 +31,7 @@ from piecegraph.program import token_arguments
 __all__ = ["Wrapping", "adapter_covers", "library_entries", "plan_wraps"]
 
 log = logging.getLogger("piecegraph.doctor")
+ONE_TOKEN_RECORDED = 3  # a one-token call is recorded at this many (3, not 2: fewer static sizes equal it)
 _NOT_OURS = ("user", "torch", "piecegraph")
 
 
@@ -102,8 +103,12 @@ def plan_wraps(model: Callable, args: tuple, kwargs: dict, context: Any, entries
     if tokens == 0:
         plan.refused = {e.alias: "the model has no tensor input with a token dimension to probe" for e in entries}
         return plan
+    # With one token every size-1 dimension looks like the token one: record at a few tokens instead (rows tiled
+    # from the call's). Under a forward context the metadata fixes the token count: the extra rows of this run and
+    # of the twin are pad rows, as a capture's are; a model that refuses them is recorded without a twin.
+    tokens = max(tokens, ONE_TOKEN_RECORDED)
     try:
-        calls = record_calls([e.fn for e in entries], run, tokens, tokens + 2 if context is None else None, model)
+        calls = record_calls([e.fn for e in entries], run, tokens, tokens + 2, model)
     except Exception as err:  # noqa: BLE001  (the recorded forward failed: nothing can be inferred)
         plan.refused = {e.alias: f"the recorded forward raised {type(err).__name__}: {err}" for e in entries}
         return plan

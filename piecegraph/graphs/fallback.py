@@ -128,7 +128,20 @@ def trace_or_explain(model: Any, copies: Callable[[], dict], config: Any, adviso
                     warnings.warn(wrapped_warning(fixed.wrapped, config.mode), stacklevel=stacklevel)
                 return fixed
         fixed.release()
+        explained = _with_refusals(advisor.explain(model, copies(), config, error), fixed.refused)
+        _raise_explained(explained, error)
     _raise_explained(advisor.explain(model, copies(), config, error), error)
+
+
+def _with_refusals(explained: Optional[BaseException], refused: dict) -> Optional[BaseException]:
+    """``explained`` with a paragraph naming what automatic opaque tried and why it could not wrap each function
+    (its fix line alone would send the user in a circle), before Dynamo's own text."""
+    if not isinstance(explained, TraceBreakError) or not refused:
+        return explained
+    lines = "\n".join(f"  * {name}: {why}" for name, why in refused.items())
+    text, marker = str(explained), "\n\nDynamo's error"
+    head, sep, tail = text.partition(marker)
+    return TraceBreakError(f"{head}\nAutomatic opaque was on and could not wrap:\n{lines}{sep}{tail}")
 
 
 def _raise_explained(explained: Optional[BaseException], error: BaseException) -> NoReturn:

@@ -56,6 +56,12 @@ def fp8_kernels_run(device: torch.device | str) -> bool:
     return True
 
 
+def _flashinfer():
+    import flashinfer
+
+    return flashinfer
+
+
 class FP8Linear(nn.Module):
     """``y = x @ dequant(weight)^T + bias`` with ``x`` quantized per row: ``weight [out, in]`` e4m3 and its 0-d
     float32 ``weight_scale`` are buffers; output in ``out_dtype`` (the replaced layer's dtype). ``x [..., in]``
@@ -67,6 +73,9 @@ class FP8Linear(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.kernel, self.out_dtype = kernel, out_dtype
+        # Looked up once, here: the forward calls the library's function through this attribute (no import in
+        # the traced code), and automatic opaque routes it there like any function a module holds
+        self.bmm_fp8 = _flashinfer().bmm_fp8 if kernel == "flashinfer" else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float())
@@ -81,12 +90,9 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         q, scale = quantize_rows(x.reshape(-1, self.in_features))
-        if self.kernel == "flashinfer":
-            import flashinfer
-
+        if self.bmm_fp8 is not None:
             # bmm_fp8 wants B [1, in, out] column-major: the [out, in] weight transposed, a view
-            y = flashinfer.bmm_fp8(q.unsqueeze(0), self.weight.t().unsqueeze(0), self.unit, self.unit,
-                                   torch.bfloat16)[0]
+            y = self.bmm_fp8(q.unsqueeze(0), self.weight.t().unsqueeze(0), self.unit, self.unit, torch.bfloat16)[0]
         else:
             y = q.float() @ self.weight.float().t()
         y = (y.float() * (scale.unsqueeze(-1) * self.weight_scale)).to(self.out_dtype)

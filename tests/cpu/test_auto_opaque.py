@@ -139,6 +139,16 @@ def test_a_function_whose_shapes_depend_on_data_is_refused_with_the_reason():
     assert torch.equal(out, model(x)) and not is_opaque(jitlib_auto.positive_rows)
 
 
+def test_piecewise_with_automatic_opaque_says_why_a_function_was_not_wrapped():
+    graphed = piecegraph.compile(DataDependent().eval(), mode="piecewise", compiler="eager", auto_opaque=True)
+    with pytest.raises(TraceBreakError) as info:
+        graphed(torch.randn(6, 8))
+    head = str(info.value).split("Dynamo's error")[0]
+    assert "Automatic opaque was on and could not wrap:\n  * jitlib_auto.positive_rows: its output shapes depend " \
+           "on the data, not on the input shapes" in head
+    assert not is_opaque(jitlib_auto.positive_rows)
+
+
 def test_piecewise_raises_piecegraphs_error_naming_entry_primitive_and_fixes():
     graphed = piecegraph.compile(GemmOnly().eval(), mode="piecewise", compiler="eager")
     with pytest.raises(TraceBreakError) as info:

@@ -175,3 +175,21 @@ def test_fp8_moe_decoder_on_jit_kernels_nobody_adapted_traces_with_automatic_opa
         assert stats["mode"] in ("piecewise", "full") and stats["fallbacks"] == 0, stats
     # the first module wraps both entries; the second traces through the routes the first left
     assert set(prefill.stats()["auto_opaque"]) == {"jitlib_auto.bmm_fp8", "jitlib_auto.SegmentGemm.run"}
+
+
+@torch.no_grad()
+def test_a_first_call_of_one_token_in_a_forward_context_is_recorded_with_pad_rows(fake_flashinfer):
+    """One decode row under its metadata: automatic opaque records the call at a few tokens (pad rows, as a capture
+    has) and a twin two tokens on, so the experts' k rows per token are told from static sizes."""
+    model = quantize_fp8(MoEDecoder.random(TINY_MOE, seed=4), kernel="flashinfer")
+    cache = KVCache.for_sequences(TINY_MOE, 8, 32, page_size=4)
+    graphed = piecegraph.compile(model, mode="piecewise", compiler="eager", capture_sizes=(1, 4),
+                                 emulate_graphs=True, auto_opaque=True)
+    for n in (1, 3, 4):
+        cache.reserve((i, 9) for i in range(n))
+        meta = AttentionMetadata.for_decode(cache, [(i, 8) for i in range(n)])
+        ids = torch.randint(0, TINY_MOE.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        with warnings.catch_warnings(), piecegraph.forward_context(meta):
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(graphed(ids, meta.positions), model(ids, meta.positions), rtol=0, atol=1e-6)
+    assert set(graphed.stats()["auto_opaque"]) == {"jitlib_auto.bmm_fp8", "jitlib_auto.SegmentGemm.run"}
