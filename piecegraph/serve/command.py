@@ -72,8 +72,10 @@ def capture_progress() -> Iterator[Any]:
 
 
 def serve_bench(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | PATH (auto: tiny on "
-                              "CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | tiny-moe | qwen1.5-moe-a2.7b | "
+                              "PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
+                              "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
@@ -134,7 +136,7 @@ def serve_bench(
     reports = run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    net = shard_for_tp(load_model(model, device, dtype), run)
+    net = shard_for_tp(load_model(model, device, dtype, quant=quant), run)
     gpu = device == "cuda"
     work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
     max_len = min(-(-work.max_len // page_size) * page_size, net.config.max_seq_len)  # whole pages when it can
@@ -146,7 +148,7 @@ def serve_bench(
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference)
-    env = {**_environment(model, device, dtype, backend, plan), **run.facts()}
+    env = {**_environment(model, device, dtype, backend, plan, quant), **run.facts()}
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
         if reports:
@@ -185,11 +187,12 @@ def _report(results: list[dict[str, Any]], title: str, json_path: Path | None, p
         raise typer.Exit(1)
 
 
-def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan: Any) -> dict[str, Any]:
+def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan: Any, quant: str = "bf16"
+                 ) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {
-        "model": model, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+        "model": model, "dtype": str(dtype).removeprefix("torch."), "quant": quant, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "attention_backend": backend,
         "workload": asdict(plan.workload), "engine": asdict(plan.engine), "concurrency": list(plan.concurrencies),
         "requests": {c: plan.num_requests(c) for c in plan.concurrencies}, "warmup": plan.warmup,

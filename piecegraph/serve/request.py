@@ -22,20 +22,24 @@ class SamplingParams:
 
     ``temperature`` 0 (default) is greedy (argmax). Above 0, tokens are sampled from ``softmax(logits / t)``,
     each with a generator seeded by ``(seed, index of the token)``: the same request with the same seed gives
-    the same tokens whatever it is batched with, and after a preemption. ``eos_token_id``: stop after emitting
-    it (it is the last output token); ``None`` never stops early.
+    the same tokens whatever it is batched with, and after a preemption. ``top_p`` in (0, 1]: sample only from
+    the most likely tokens whose probabilities sum to at least ``top_p`` (nucleus sampling; 1: all of them).
+    ``eos_token_id``: stop after emitting it (it is the last output token); ``None`` never stops early.
     """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     seed: int = 0
     eos_token_id: int | None = None
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be a number in (0, 1] (1: no nucleus cut)")
         eos = self.eos_token_id
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
             raise TypeError(f"SamplingParams.eos_token_id={eos!r} must be an int token id or None")

@@ -11,14 +11,13 @@ import torch
 import typer
 from rich.console import Console
 
-from piecegraph.cli_common import load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import PRESETS, load_model, resolve_attention, resolve_device
 
 console = Console()
-PRESETS = ("tiny", "qwen2.5-0.5b", "llama-7b-shape")
 
 
 def serve(
-    model_arg: str | None = typer.Argument(None, metavar="MODEL", help="tiny | qwen2.5-0.5b | llama-7b-shape | "
+    model_arg: str | None = typer.Argument(None, metavar="MODEL", help="a preset (tiny, qwen2.5-0.5b, tiny-moe, ...) | "
                                            "a local Hugging Face directory (default: tiny on CPU, the 0.5B shape "
                                            "on GPU)"),
     model: str | None = typer.Option(None, "--model", help="the same as MODEL"),

@@ -3,7 +3,6 @@ the server applies itself; every limit the engine would hit later is checked her
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from typing import Any
 
@@ -20,9 +19,8 @@ def build_params(req: Any, prompt: list[int], tokenizer: Tokenizer, max_seq_len:
 
     ``max_seq_len`` bounds prompt + output. Temperature defaults to 1 as OpenAI's does (0 is greedy); a sampled
     request without a seed gets a random one. The engine stops at one EOS id itself; other EOS ids of the
-    tokenizer and ``stop_token_ids`` are applied by the server (``ignore_eos`` drops the EOS ids). ``top_p`` below
-    1 is passed on when the engine's ``SamplingParams`` has that field and refused otherwise (an engine that
-    samples the whole distribution would silently ignore it). Raises :class:`APIError` 400 naming the field.
+    tokenizer and ``stop_token_ids`` are applied by the server (``ignore_eos`` drops the EOS ids). ``top_p`` goes
+    to the engine (nucleus sampling). Raises :class:`APIError` 400 naming the field.
     """
     prompt_field = "messages" if chat else "prompt"
     if len(prompt) >= max_seq_len:
@@ -58,12 +56,8 @@ def build_params(req: Any, prompt: list[int], tokenizer: Tokenizer, max_seq_len:
 
 
 def _top_p(top_p: float | None, temperature: float) -> dict[str, Any]:
-    if top_p is None or top_p == 1.0 or temperature == 0:
-        return {}
-    if "top_p" in {f.name for f in dataclasses.fields(SamplingParams)}:
-        return {"top_p": top_p}
-    raise APIError(400, f"top_p: {top_p} is not supported: this engine samples from the whole distribution "
-                   "(send top_p=1 or omit it)", param="top_p", code="unsupported_value")
+    # greedy ignores it, as OpenAI's API does
+    return {} if top_p is None or top_p == 1.0 or temperature == 0 else {"top_p": float(top_p)}
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -291,6 +291,18 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
     assert modes["auto"]["capture"]["modules"]["full"]["sizes"][-1] == 3
 
 
+def test_serve_bench_runs_the_fp8_moe_preset_and_records_the_quantization(tmp_path):
+    out = tmp_path / "serve.json"
+    result = CliRunner().invoke(app, [
+        "serve-bench", "--device", "cpu", "--model", "tiny-moe", "--quant", "fp8", "--modes", "eager",
+        "--concurrency", "2", "--requests", "3", "--input-len", "10", "--output-len", "3", "--max-batched-tokens",
+        "32", "--warmup", "0", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["env"]["quant"] == "fp8" and data["env"]["model"] == "tiny-moe"
+    assert data["modes"][0]["rows"][0]["output_tok_s"] > 0
+
+
 def test_demo_engine_on_cpu():
     result = CliRunner().invoke(app, ["demo", "--device", "cpu", "--engine", "--steps", "4"])
     assert result.exit_code == 0, result.output
@@ -334,3 +346,33 @@ def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     assert time_step("decode", 2, 10) > 0 and time_step("prefill", 8, 0) > 0 and time_step("decode", 4, 5) > 0
     assert picked == ["full", "piecewise", "piecewise"]  # 4 decode rows: above the full sizes (1, 2)
     assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(2, 40), seed=st.integers(0, 2**16), top_p=st.floats(0.01, 1.0), spread=st.floats(0.1, 8.0))
+def test_nucleus_keeps_exactly_the_most_likely_tokens_reaching_top_p(vocab, seed, top_p, spread):
+    from piecegraph.serve.sampling import nucleus
+
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(vocab, generator=gen, dtype=torch.float64) * spread, -1)
+    kept = nucleus(probs, top_p)
+    # float64 reference, one token at a time: walk the tokens from the most likely, stop once the mass reaches top_p
+    order, mass, want = sorted(range(vocab), key=lambda i: -float(probs[i])), 0.0, set()
+    for i in order:
+        if mass >= top_p:
+            break
+        want.add(i)
+        mass += float(probs[i])
+    assert {i for i in range(vocab) if kept[i] > 0} == want
+    assert torch.equal(kept[sorted(want)], probs[sorted(want)])
+
+
+def test_top_p_samples_only_inside_the_nucleus_and_is_checked():
+    model = Decoder.random(TINY, seed=2).eval()
+    engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=4, max_num_batched_tokens=64, max_seq_len=64))
+    tiny_p = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3,
+                                                                top_p=1e-9))
+    assert tiny_p == generate(model, [[1, 2, 3], [4, 5]], 6)  # a nucleus of one token: the argmax
+    for bad in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="SamplingParams.top_p"):
+            SamplingParams(top_p=bad)

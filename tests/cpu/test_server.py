@@ -412,13 +412,12 @@ def test_seeded_sampling_equals_the_engine_with_the_same_params(server, model):
         assert ids == want
 
 
-def test_top_p_below_one_is_refused_while_the_engine_samples_the_whole_distribution(server):
-    import dataclasses
+def test_top_p_reaches_the_engine_and_equals_it_with_the_same_params(server, model):
+    engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=4, page_size=8, max_seq_len=MAX_SEQ_LEN))
+    prompt = TOK.encode("nucleus")
+    want = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=9, top_p=0.3))[0]
+    got = _client(server.url).completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=1.0, seed=9,
+                                                 top_p=0.3, extra_body={"return_token_ids": True})
+    assert got.choices[0].token_ids == want
 
-    if "top_p" in {f.name for f in dataclasses.fields(SamplingParams)}:
-        pytest.skip("the engine samples with top_p now: the server passes it on")
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 0.5,
-                                                          "temperature": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 1, "max_tokens": 2})
-    assert r.status_code == 200
+
