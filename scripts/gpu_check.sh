@@ -11,7 +11,8 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# (first JIT, cold, warm) and checks the graph memory estimate. "http" (issue 25) serves the 0.5B shape with
+# `piecegraph serve` and runs serve-bench --url against it beside the in-process engine. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -132,6 +133,41 @@ if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh process
   PIECEGRAPH_OUT="$OUT" python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 \
     | tee "$OUT/startup_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one closed loop in process and over HTTP
+  # Needs fastapi and uvicorn (and their dependencies) as Python 3.12 wheels in .whl/. HTTP_ENGINES="process" or
+  # "thread" splits the part over two calls (the in-process reference runs once per OUTDIR).
+  HTTP_MODEL=${HTTP_MODEL:-qwen2.5-0.5b} HTTP_CONC=${HTTP_CONC:-1,10,256,1024}
+  HTTP_REQ=${HTTP_REQ:-${SERVE_REQUESTS:-4,30,512,1024}} HTTP_SEQS=${HTTP_CONC##*,}
+  common=(--input-len 512 --output-len 128 --range-ratio 0.25 --concurrency "$HTTP_CONC" --requests "$HTTP_REQ"
+          --warmup 2 --device cuda)
+  if ! python3 -c "import fastapi, uvicorn" 2>"$OUT/http_missing.log"; then
+    echo "http: fastapi/uvicorn are not importable (carry their wheels in .whl/)" | tee -a "$OUT/http_missing.log"
+    status=1
+  else
+    if [ ! -f "$OUT/http_inprocess.json" ]; then
+      python3 -m piecegraph.cli serve-bench --model "$HTTP_MODEL" --attention flashinfer --modes auto \
+        --max-batched-tokens 2048 "${common[@]}" --json "$OUT/http_inprocess.json" 2>&1 | tee "$OUT/http_inprocess.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    fi
+    for engine in ${HTTP_ENGINES:-process thread}; do
+      port=$((8400 + RANDOM % 500))
+      python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
+        --max-num-seqs "$HTTP_SEQS" --max-batched-tokens 2048 --max-seq-len 832 --port "$port" \
+        --engine-$engine --log-level warning >"$OUT/http_server_$engine.log" 2>&1 &
+      spid=$!
+      for _ in $(seq 900); do  # start-up traces, compiles and captures every size
+        python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+          "http://127.0.0.1:$port/health" 2>/dev/null && break
+        kill -0 $spid 2>/dev/null || break
+        sleep 1
+      done
+      python3 -m piecegraph.cli serve-bench --url "http://127.0.0.1:$port" "${common[@]}" \
+        --json "$OUT/http_$engine.json" 2>&1 | tee "$OUT/http_$engine.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      kill -INT $spid; wait $spid
+    done
+  fi
 fi
 if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench at TP 1 and 2 on two shapes
   python3 -m pytest tests/gpu/test_tp_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log"
