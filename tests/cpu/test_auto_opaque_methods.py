@@ -102,3 +102,26 @@ def test_the_printed_line_makes_it_permanent_and_the_model_traces_with_no_breaks
     x = torch.randn(6, 8)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-6)
+
+
+def test_the_doctor_names_the_method_by_its_class_and_fix_traces_with_zero_breaks():
+    torch.manual_seed(2)
+    model, x = TwoLayers().eval(), torch.randn(6, 8)
+    gemm = model.layers[0].gemm
+    with torch.no_grad():
+        expected = model(x)
+    report = piecegraph.doctor(model, x)
+    assert {f.entry for f in report.findings if f.package == "jitlib_auto"} == {ENTRY}
+    lines = [line for f in report.findings for line in f.fix.splitlines() if "piecegraph.opaque(" in line]
+    target = 'model.get_submodule("layers.0").gemm.run'
+    assert lines and all(line.startswith(f"{target} = piecegraph.opaque({target}, fake=") for line in lines)
+    assert not is_opaque(gemm.run)  # reporting wraps nothing
+    fixed = piecegraph.doctor(model, x, fix=True)
+    try:
+        assert fixed.ok and fixed.graph_breaks == 0 and is_opaque(gemm.run)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), expected, rtol=0, atol=1e-6)
+    finally:
+        fixed.applied.undo()
+    assert "run" not in vars(gemm)
