@@ -85,6 +85,10 @@ def _mode_facts(prep: bench_modes.Prepared, setup_s: float) -> dict[str, Any]:
         **({"static_compile_s": round(stats["static_compile_s"], 1),
             "static_sizes": {size: {"static": e["static"], "dynamic": e["dynamic"]}
                              for size, e in stats["static_sizes"].items()}} if stats.get("static_sizes") else {}),
+        # where the setup went: prewarm (JIT builds), trace, compile, capture; automatic opaque's wrapped entries
+        **({"startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in stats["startup"].items()}}
+           if stats.get("startup") else {}),
+        **({"auto_opaque": sorted(stats["auto_opaque"])} if stats.get("auto_opaque") else {}),
     }
 
 

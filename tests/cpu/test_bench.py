@@ -59,6 +59,8 @@ def test_smoke_run_writes_json_png_and_profile(tmp_path):
     prefill_seqs = {r["tokens"]: r["seqs"] for r in data["rows"] if r["phase"] == "prefill"}
     assert prefill_seqs == {t: len(prefill_lengths(t)) for t in (16, 40)}
     assert data["modes"]["none"]["pieces"] == TINY.num_layers + 1  # split at each attention op
+    startup = data["modes"]["none"]["startup"]  # the setup split into its stages
+    assert startup["trace_s"] > 0 and startup["compile_s"] >= 0 and startup["prewarm_s"] >= 0
     profile = data["profile"]
     assert profile["split_calls_per_step"] == TINY.num_layers and profile["aten_ops_per_split"] > 5
     assert profile["attention_backend"] == env["attention_backend"]
