@@ -17,21 +17,12 @@ from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row FP8 (e4m3): each row scaled so its largest magnitude is 448, and the float32 ``[rows]`` scales."""
-    scale = x.abs().amax(-1).float().clamp(min=1e-12) / E4M3_MAX
-    return (x.float() / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
+from piecegraph.models.fp8 import quantize_rows, quantize_tensor  # torch only: the decoders' own e4m3 helpers
 
 
 def fp8_experts(experts: int, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[E, out, in]`` e4m3 weights (column-major for the grouped GEMM: ``in`` contiguous) and ``[E]`` scales."""
-    w = torch.randn(experts, out, inp, device="cuda") / inp**0.5
-    scale = w.abs().amax((1, 2)) / E4M3_MAX
-    return (w / scale[:, None, None]).to(FP8), scale
+    return quantize_tensor(torch.randn(experts, out, inp, device="cuda") / inp**0.5, dims=(1, 2))
 
 
 class MoELayer(torch.nn.Module):

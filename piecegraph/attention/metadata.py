@@ -25,6 +25,12 @@ from piecegraph.program import describe
 _PER_STEP = {"piecegraph_static": "per_step"}
 
 
+def _has_device_table(cache: PagedCache) -> bool:
+    """A :class:`~piecegraph.attention.kv_cache.KVCache` keeps one; another ``PagedCache`` builds page layouts on
+    the host."""
+    return hasattr(cache, "device_table")
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """The host side of one step: per sequence its id, new tokens, kv length after the step and its pages.
@@ -123,7 +129,7 @@ class AttentionMetadata:
                                  "a sequence's earlier tokens must have gone through this cache (or reserve "
                                  "its pages first with cache.reserve([(seq, length)]))")
         cache.reserve((seq, cached + new) for seq, cached, new in seqs)
-        device_table = hasattr(cache, "device_table")  # a KVCache; another PagedCache builds layouts on the host
+        device_table = _has_device_table(cache)
         pages = tuple(cache.pages_view(s) for s in ids) if device_table else tuple(cache.page_table(s) for s in ids)
         layout = BatchLayout(
             seq_ids=tuple(ids), num_new=tuple(n for _, _, n in seqs), kv_lens=tuple(c + n for _, c, n in seqs),
@@ -144,7 +150,7 @@ class AttentionMetadata:
             raise ValueError(f"AttentionMetadata.dummy needs n >= 1, got {n}")
         layout = BatchLayout(seq_ids=tuple(range(n)), num_new=(1,) * n, kv_lens=(1,) * n,
                              pages=((SCRATCH_PAGE,),) * n, page_size=cache.page_size,
-                             slots=(0,) * n if hasattr(cache, "device_table") else None)
+                             slots=(0,) * n if _has_device_table(cache) else None)
         return cls.from_layout(cache, layout)
 
     @classmethod
@@ -154,7 +160,7 @@ class AttentionMetadata:
         # The dense decode page table, only for a backend that reads it (FlashInfer plans its own CSR layout):
         # gathered on the device from the cache's page table by slot, or (a cache without one) built on the host.
         table = layout.is_decode and getattr(cache.backend, "reads_page_table", True)
-        gather = table and layout.slots is not None and hasattr(cache, "device_table")
+        gather = table and layout.slots is not None  # slots are set only for a cache with a device table
         if gather:
             host["slots"] = list(layout.slots)
         elif table:

@@ -7,13 +7,13 @@ them. All timings of one run come from one process on one device, so ratios betw
 from __future__ import annotations
 
 import platform
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from piecegraph.graphs.capture import time_ms
 
 
 @dataclass
@@ -58,32 +58,6 @@ class Row:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def time_ms(fn: Callable[[int], Any], warmup: int = 3, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn(i)`` over ``repeats`` calls after ``warmup`` calls.
-
-    ``i`` counts calls so the caller can rotate inputs (a replay of identical inputs could hide copy cost). On
-    CUDA each call is bracketed by events and synchronized, so the time is the step's device time including
-    any CPU launch gap; on CPU it is wall time.
-    """
-    for i in range(warmup):
-        fn(i)
-    cuda = torch.cuda.is_available()
-    times = []
-    for i in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn(i)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def measure_bandwidth_gbs(device: torch.device | str, mib: int | None = None) -> float:

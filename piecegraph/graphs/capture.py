@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -171,6 +172,33 @@ class GraphedPiece:
                 )
             entry.inputs[i].copy_(args[i])
         self.state.moved_inputs += 1
+
+
+def time_ms(fn: Callable[[int], Any], warmup: int = 3, repeats: int = 20) -> float:
+    """Median milliseconds of ``fn(i)`` over ``repeats`` calls after ``warmup`` calls (the bench's timer, and the
+    engine's when it picks a graph kind per size).
+
+    ``i`` counts calls so the caller can rotate inputs (a replay of identical inputs could hide copy cost). On
+    CUDA each call is bracketed by events and synchronized, so the time is the step's device time including
+    any CPU launch gap; on CPU it is wall time.
+    """
+    for i in range(warmup):
+        fn(i)
+    cuda = torch.cuda.is_available()
+    times = []
+    for i in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(i)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def graph_ms(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int = 5) -> float:

@@ -27,7 +27,7 @@ import torch
 import piecegraph
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
-from piecegraph.graphs.capture import capture_batch, timed_capture
+from piecegraph.graphs.capture import capture_batch, time_ms, timed_capture
 from piecegraph.models.generate import dummy_inputs
 from piecegraph.serve.config import EngineConfig
 
@@ -171,14 +171,9 @@ def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, repeat
     from CUDA events around each call after one warm call: the stream's time per step, gaps from host launch
     work included (what a step costs when the host keeps up). Touches the scratch page only."""
     (ids, positions), meta = dummy_inputs(model, cache, n)
-    times = []
-    for i in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step(_: int) -> None:
         with forward_context(meta):
             module(ids, positions)
-        end.record()
-        end.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+
+    return time_ms(step, warmup=1, repeats=repeats)

@@ -98,12 +98,8 @@ class Scheduler:
         it with ``finish_reason="aborted"``; a finished request is left as it is (idempotent)."""
         if request.status is Status.FINISHED:
             return
-        if request in self.running:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        request.status, request.finish_reason, request.inflight = Status.FINISHED, "aborted", 0
-        self._release(request.id)
+        self.finish(request)
+        request.finish_reason = "aborted"
         self.num_aborted += 1
 
     # -- one step ---------------------------------------------------------------------------------------
