@@ -184,15 +184,16 @@ def _compile_pieces(
     return compiled, static, seconds[0]
 
 
-def _static_sizes(config: Config, token_symbols: Any, gm: torch.fx.GraphModule) -> tuple[int, ...]:
+def _static_sizes(config: Config, token_symbols: Any, works_along_tokens: bool) -> tuple[int, ...]:
     """The sizes that get a static compile: none for a static trace (it is one already) or the eager compiler.
-    Under ``compile_sizes="reductions"``: every capture size when ``gm`` reduces or works along the token
-    dimension outside split ops and the choice per size will be measured (CUDA, real graphs), else none."""
+    Under ``compile_sizes="reductions"``: every capture size when the program reduces or works along the token
+    dimension outside split ops (``works_along_tokens``) and the choice per size will be measured (CUDA, real
+    graphs), else none."""
     if not token_symbols or config.compiler != "inductor":
         return ()
     if config.compile_sizes == "reductions":
         measured = torch.cuda.is_available() and not config.emulate_graphs
-        return config.sizes if measured and find_token_mixing(gm, token_symbols) else ()
+        return config.sizes if measured and works_along_tokens else ()
     return config.static_compile_sizes
 
 
@@ -217,14 +218,17 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     if missing:
         log.debug("piecegraph: no fake value recorded for graph inputs %s; made from the real ones", missing)
     num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)
-    mixing = _token_mixing(gm, sym, config)
+    # The ops working along the token dimension: they decide padding (below) and static code ("reductions")
+    wanted = sym and (config.token_mixing != "pad" or config.compile_sizes == "reductions")
+    found = find_token_mixing(gm, sym) if wanted else []
+    mixing = _token_mixing(found, config)
     state = CaptureState.for_config(config)
     written = mutated_inputs(gm)
     # Measuring runs a piece several times on the same arguments and captures it into a throwaway graph: only
     # for programs that write no input, and never for mode="full", whose one graph holds the split ops (they may
     # plan or write state that only their own capture may touch).
     measure = config.compile_sizes in ("auto", "reductions") and not written and config.mode != "full"
-    static_sizes = _static_sizes(config, sym, gm)  # before Inductor rewrites gm
+    static_sizes = _static_sizes(config, sym, bool(found))
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
@@ -276,12 +280,11 @@ def graph_memory(gm: torch.fx.GraphModule, config: Config) -> GraphMemory | None
                                  config.mode)
 
 
-def _token_mixing(gm: torch.fx.GraphModule, sym: Any, config: Config) -> list[MixingOp]:
-    """The ops that make padding unsafe (none in a static trace: it only runs its own size); refused here under
-    ``token_mixing="error"``, ignored under ``"pad"``."""
-    if not sym or config.token_mixing == "pad":
+def _token_mixing(found: list[MixingOp], config: Config) -> list[MixingOp]:
+    """Of the ops ``found`` working along the token dimension (none in a static trace: it only runs its own
+    size), those that make padding unsafe: refused here under ``token_mixing="error"``, ignored under ``"pad"``."""
+    if config.token_mixing == "pad":
         return []
-    found = find_token_mixing(gm, sym)
     if found and config.token_mixing == "error":
         raise UnsupportedGraph(
             f"{found[0]} mixes rows over the token dimension{f' (and {len(found) - 1} more ops)' if found[1:] else ''}"

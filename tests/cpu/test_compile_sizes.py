@@ -94,13 +94,17 @@ def _traced(model: torch.nn.Module, n: int = 6):
 @pytest.mark.parametrize("on_cuda", [True, False])
 def test_reductions_compiles_static_sizes_only_for_a_program_that_reduces_over_tokens_on_cuda(on_cuda, monkeypatch):
     from piecegraph.trace.backend import _static_sizes
+    from piecegraph.trace.mixing import find_token_mixing
 
     config = piecegraph.Config(capture_sizes=(1, 16, 256), compile_sizes="reductions")
     reducing, token_wise = _traced(TensorScale()), _traced(Block().eval())
+    found = {name: bool(find_token_mixing(gm, sym)) for name, (gm, sym) in (("reducing", reducing),
+                                                                         ("token_wise", token_wise))}
+    assert found == {"reducing": True, "token_wise": False}  # the amax over hidden is row-wise
     monkeypatch.setattr(torch.cuda, "is_available", lambda: on_cuda)
-    assert _static_sizes(config, reducing[1], reducing[0]) == ((1, 16, 256) if on_cuda else ())
-    assert _static_sizes(config, token_wise[1], token_wise[0]) == ()  # the amax over hidden is row-wise
-    assert _static_sizes(config.replace(emulate_graphs=True), reducing[1], reducing[0]) == ()  # nothing measured
+    assert _static_sizes(config, reducing[1], True) == ((1, 16, 256) if on_cuda else ())
+    assert _static_sizes(config, token_wise[1], False) == ()
+    assert _static_sizes(config.replace(emulate_graphs=True), reducing[1], True) == ()  # nothing measured
 
 
 def test_auto_mode_defaults_to_static_code_where_the_program_reduces_and_other_modes_to_none():
