@@ -259,15 +259,7 @@ class EngineLoop:
             self._sink(events)
 
     def _to_asyncio(self, events: list[tuple[Ticket, Event]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, Event]]] = {}
-        for ticket, event in events:
-            by_loop.setdefault(ticket.aloop, []).append((ticket, event))
-        for aloop, batch in by_loop.items():
-            try:
-                aloop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that asyncio loop is closed: its handlers are gone; abort theirs
-                for ticket, _ in batch:
-                    self._abort(ticket, notify=False)
+        post_events(events, lambda ticket: self._abort(ticket, notify=False))
 
     def _fail_all(self, message: str) -> None:
         failed = list(self._live.values())
@@ -294,6 +286,20 @@ class EngineLoop:
         if self._steps_seen > 10_000:  # a server runs for days: keep the engine's per-step records bounded
             self.engine.reset_stats()
             self._steps_seen = 0
+
+
+def post_events(events: list[tuple[Ticket, Event]], on_closed: Callable[[Ticket], None]) -> None:
+    """Hand each ticket its event on the ticket's asyncio loop (thread-safe, one callback per loop); a ticket whose
+    loop is closed (its handler is gone) goes to ``on_closed`` instead, to be aborted."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, Event]]] = {}
+    for ticket, event in events:
+        by_loop.setdefault(ticket.aloop, []).append((ticket, event))
+    for aloop, batch in by_loop.items():
+        try:
+            aloop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:
+            for ticket, _ in batch:
+                on_closed(ticket)
 
 
 def _deliver(batch: list[tuple[Ticket, Event]]) -> None:

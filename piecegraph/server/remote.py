@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from piecegraph.serve.request import SamplingParams
-from piecegraph.server.loop import Closed, Event, QueueFull, Ticket
+from piecegraph.server.loop import Closed, Event, QueueFull, Ticket, post_events
 
 log = logging.getLogger("piecegraph.server")
 
@@ -141,7 +141,7 @@ class ProcessEngineLoop:
         self._dispatch([(t.id, [], None, "the engine process stopped", False) for t in left])
 
     def _dispatch(self, events: list[tuple]) -> None:
-        now, by_loop = time.perf_counter(), {}
+        now, out = time.perf_counter(), []
         with self._lock:
             for rid, ids, reason, error, refused in events:
                 ticket = self._tickets.get(rid)
@@ -155,18 +155,8 @@ class ProcessEngineLoop:
                     ticket.done = True
                     self._pending -= 1
                     self._running -= 1 if ticket.sent else 0
-                by_loop.setdefault(ticket.aloop, []).append((ticket, Event(ids, reason, error, refused, at=now)))
-        for aloop, batch in by_loop.items():
-            try:
-                aloop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that asyncio loop is closed; its handlers are gone
-                for ticket, _ in batch:
-                    self.abort(ticket)
-
-
-def _deliver(batch: list[tuple[Ticket, Event]]) -> None:
-    for ticket, event in batch:
-        ticket.events.put_nowait(event)
+                out.append((ticket, Event(ids, reason, error, refused, at=now)))
+        post_events(out, self.abort)
 
 
 class _KindCounter:
