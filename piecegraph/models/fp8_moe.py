@@ -99,5 +99,4 @@ def quantize_fp8(model: nn.Module, kernel: str | None = None) -> nn.Module:
                 setattr(parent, name, FP8Experts(child, kernel, gemm))
             elif isinstance(child, nn.Linear) and name in _QUANTIZED:
                 setattr(parent, name, FP8Linear.from_linear(child, kernel))
-    model.fp8_kernel = kernel
     return model
