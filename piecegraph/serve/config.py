@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,12 @@ class EngineConfig:
         for name in ("emulate_graphs", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
+        if self.graph_memory_limit is not None:
+            _check_int("graph_memory_limit", self.graph_memory_limit, 1)
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (bool, str, os.PathLike)) \
+                or self.cache_dir == "":
+            raise ValueError(f"EngineConfig.cache_dir={self.cache_dir!r} must be a folder, True (the default "
+                             "folder), False (no cache) or None ($PIECEGRAPH_CACHE_DIR if set)")
 
     @property
     def step_tokens(self) -> int:

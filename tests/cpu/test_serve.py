@@ -169,6 +169,9 @@ def test_requests_that_cannot_fit_or_repeat_an_id_are_refused(model):
         EngineConfig(mode="full")
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+    for field, bad in (("graph_memory_limit", 0), ("graph_memory_limit", 2.5), ("cache_dir", 3), ("cache_dir", "")):
+        with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
+            EngineConfig(**{field: bad})
     vocab = model.config.vocab_size
     for bad in ([1, vocab], [-1, 2]):
         with pytest.raises(ValueError, match="outside the vocabulary"):
