@@ -289,8 +289,8 @@ class Routes:
         while self.pairs:
             op, spot = self.pairs.pop()
             undo_spots([spot])
-            if spot in op.spots:
-                op.spots.remove(spot)
+            # By identity: == on spots would compare their namespaces, tensors and all (and raise).
+            op.spots[:] = [s for s in op.spots if s is not spot]
 
     def add(self, other: "Routes") -> None:
         self.pairs += other.pairs

@@ -125,3 +125,31 @@ def test_the_doctor_names_the_method_by_its_class_and_fix_traces_with_zero_break
     finally:
         fixed.applied.undo()
     assert "run" not in vars(gemm)
+
+
+class HeldKernel(torch.nn.Module):
+    """Looks its kernel up once, at construction, and keeps it as an attribute (as FP8Linear keeps bmm_fp8): the
+    route is an instance spot in this module's namespace, beside parameters whose shapes differ per instance."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.kernel = jitlib_auto.bmm
+        self.w = torch.nn.Parameter(torch.randn(1, d_in, d_out) * 0.3)
+
+    def forward(self, x):
+        return self.kernel(x.unsqueeze(0), self.w, torch.float32)[0]
+
+
+def test_release_puts_back_every_held_kernel_even_beside_tensors_of_other_shapes():
+    # Undo once compared spots with ==, which compared the namespaces' tensors: it raised inside the release
+    # finalizer (swallowed) and left the rest routed, silently.
+    original = jitlib_auto.bmm
+    model = torch.nn.Sequential(HeldKernel(8, 12), torch.nn.ReLU(), HeldKernel(12, 8)).eval()
+    graphed = piecegraph.compile(model, mode="auto", capture_sizes=(4,), emulate_graphs=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), model(x), rtol=0, atol=1e-6)
+    assert all(is_opaque(model[i].kernel) for i in (0, 2))
+    del graphed
+    gc.collect()
+    assert all(model[i].kernel is original for i in (0, 2)) and jitlib_auto.bmm is original
