@@ -55,6 +55,15 @@ def arguments_by_name(signature: inspect.Signature, owner: str, args: tuple, kwa
     return values
 
 
+def positional_names(signature: inspect.Signature) -> tuple[str, ...] | None:
+    """The parameter names a call that passes every argument by position binds, in order; ``None`` when the
+    signature has ``*args`` / ``**kwargs`` or keyword-only parameters (such calls go through ``bind``)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind not in kinds for p in signature.parameters.values()):
+        return None
+    return tuple(signature.parameters)
+
+
 def trace_copies(values: dict[str, Any], td: int, static_inputs: tuple[str, ...]) -> dict[str, Any]:
     """The arguments to trace with: each token input (:func:`~piecegraph.program.token_arguments`) a copy with
     its token dim marked dynamic; every other tensor a plain copy (static: its sizes are specialised), so the
@@ -138,6 +147,11 @@ class Binding:
     specs: dict[str, ArgSpec] = field(default_factory=dict)
     accepted: set[tuple] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        # Where each call's own values go (the rest are read off ``inputs``, which a weight refresh updates).
+        self._caller_slots = [(i, b.value) for i, b in enumerate(self.inputs) if b.source is Source.CALLER]
+        self._count_slots = [i for i, b in enumerate(self.inputs) if b.source is Source.COUNT]
+
     @classmethod
     def from_trace(cls, example_inputs: list[Any], names: list[str], kinds: list[InputKind],
                    trace_values: dict[str, Any], result: Any, outputs: tuple[Any, ...] | None,
@@ -190,14 +204,13 @@ class Binding:
         for key, traced in self.constants.items():
             if not _same_constant(values.get(key, traced[0]), traced):
                 _refuse_constant(key, values.get(key), traced[1])
-        flat = []
-        for b in self.inputs:
-            if b.source is Source.CALLER:
-                if b.value not in values:
-                    raise TypeError(f"argument {b.value!r} was given when the model was traced and is missing now")
-                flat.append(self._checked(b.value, values[b.value]))
-            else:
-                flat.append(0 if b.source is Source.COUNT else b.value)  # the runner sets the count
+        flat = [b.value for b in self.inputs]
+        for i in self._count_slots:
+            flat[i] = 0  # the runner sets the count
+        for i, name in self._caller_slots:
+            if name not in values:
+                raise TypeError(f"argument {name!r} was given when the model was traced and is missing now")
+            flat[i] = self._checked(name, values[name])
         if not self.known_args.issuperset(values):
             extra = sorted(set(values) - self.known_args)
             raise TypeError(f"arguments {extra} were not given when the model was traced")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .auto import setup_auto
-from .binding import Binding, arguments_by_name, scratch_arguments, static_suspect
+from .binding import Binding, arguments_by_name, positional_names, scratch_arguments, static_suspect
 from .build import Startup, breakable_model, static_from_mismatch, trace_model
 from .cache import compile_cache
 from .config import Config
@@ -63,6 +63,7 @@ class GraphedModule(torch.nn.Module):
         self._traced_training = model.training
         self._advisor = advisor or NoAdvice()  # auto mode's fixes and blocker names (the doctor's, from compile())
         self._signature = inspect.signature(model.forward)
+        self._positional = positional_names(self._signature)
         self._runners: list[FlatRunner] = []
         self._compiled: Callable[..., Any] | None = None
         self._binding: Binding | None = None  # None: calls go through Dynamo (or the eager model)
@@ -91,7 +92,8 @@ class GraphedModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._arguments(args, kwargs)
-        with self._call_lock.lock, torch.no_grad():
+        # no_grad only where grad is on: entering it costs microseconds a small graph's replay feels
+        with self._call_lock.lock, (torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()):
             if self._compiled is not None and self._model_changed():
                 log.warning("piecegraph: the model changed since it was traced (structure or train/eval mode); "
                             "tracing it again")
@@ -127,6 +129,8 @@ class GraphedModule(torch.nn.Module):
         return self.model.training != self._traced_training or self._weights.changed(self._runners)
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not kwargs and self._positional is not None and len(args) == len(self._positional):
+            return dict(zip(self._positional, args))  # every argument given by position: what bind would return
         return arguments_by_name(self._signature, type(self.model).__name__, args, kwargs)
 
     # -- setup ------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
@@ -129,9 +130,17 @@ class ArgSpec:
         shape = tuple(None if i == token_dim else s for i, s in enumerate(t.shape))
         return cls(name, t.dtype, t.device, shape, t.is_contiguous())
 
+    @functools.cached_property
+    def token_at(self) -> int | None:
+        """The dim that may change (a token input's), or ``None``."""
+        return self.shape.index(None) if None in self.shape else None
+
     def key(self, t: torch.Tensor) -> tuple:
-        """What decides whether ``t`` matches: checked once per distinct key."""
-        return (t.dtype, t.device, t.dim(), tuple(s for s, want in zip(t.shape, self.shape) if want is not None))
+        """What decides whether ``t`` matches: checked once per distinct key (every call computes it: kept cheap)."""
+        shape, td = t.shape, self.token_at
+        if td is not None and len(shape) > td:
+            shape = shape[:td] + shape[td + 1:]
+        return (t.dtype, t.device, t.dim(), shape)
 
     def check(self, value: Any) -> None:
         if not isinstance(value, torch.Tensor):

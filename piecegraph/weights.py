@@ -5,6 +5,7 @@ trace no longer describes the model."""
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from typing import Any, Iterable
 
@@ -54,6 +55,8 @@ class WeightWatch:
         self.modules_seen: set[int] = set()
         self.slots: list[tuple[dict, str, Any]] = []  # (module._parameters or _buffers, name, tensor)
         self.stale = False
+        self._columns_of: list | None = None
+        self._columns_cache: tuple[tuple, tuple, tuple] = ((), (), ())
         _HOOKS.add(self)
 
     def bind(self, binding: Binding | None, traced: bool = True) -> None:
@@ -76,7 +79,9 @@ class WeightWatch:
         if self.binding is None:
             return False
         if not self.stale:
-            self.stale = any(slots.get(key) is not value for slots, key, value in self.slots)
+            # map() over the slots' columns: the check runs at C speed, once per call
+            containers, keys, values = self._columns
+            self.stale = not all(map(operator.is_, map(dict.get, containers, keys), values))
         return self.stale and not self.refresh(runners)
 
     def refresh(self, runners: Iterable[FlatRunner]) -> bool:
@@ -108,6 +113,13 @@ class WeightWatch:
         self.modules_seen = {id(m) for m in self.model.modules()}  # a new submodule is watched from now on
         self.slots = self._parameter_slots()
         return True
+
+    @property
+    def _columns(self) -> tuple[tuple, tuple, tuple]:
+        """``slots`` as three columns (containers, names, tensors), rebuilt when ``slots`` is replaced."""
+        if self._columns_of is not self.slots:
+            self._columns_of, self._columns_cache = self.slots, tuple(zip(*self.slots)) or ((), (), ())
+        return self._columns_cache
 
     def _follow(self, source: str) -> Any:
         """The object a Dynamo source name reaches from the model, e.g. ``L['model']._modules['x']._parameters``."""

@@ -11,7 +11,8 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate. "http" (issue 25) serves the 0.5B shape with
+# (first JIT, cold, warm) and checks the graph memory estimate. "serve-profile" profiles an engine's steps on the 0.5B
+# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default piecewise). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
@@ -127,6 +128,11 @@ if has serve; then  # alone on the GPU: continuous batching, every mode, four co
     --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
     --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
     --json "$OUT/serve_bench.json" --plot "$OUT/serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has serve-profile; then  # where a serving step's host time goes (cProfile over the engine's steps)
+  python3 scripts/profile_serve_step.py "$OUT/serve_profile.json" ${PROFILE_MODE:-piecewise} 2>&1 \
+    | tee "$OUT/serve_profile.log" | head -150
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh processes) and the graph memory estimate

@@ -30,7 +30,7 @@ class CapturedPiece:
     graph: Any  # torch.cuda.CUDAGraph, or None when emulated
     inputs: list[Any]  # the arguments as captured (aliases of their memory)
     tensor_idx: tuple[int, ...]
-    ptrs: tuple[int, ...]
+    ptrs: list[int]  # each tensor argument's address at capture
     outputs: Any
     fn: Callable[..., Any] | None = None  # what was captured (the size's static compile or the dynamic one)
     warned: set[int] = field(default_factory=set)
@@ -223,8 +223,8 @@ def graph_ms(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int = 5) ->
     return sorted(times)[len(times) // 2]
 
 
-def _ptrs(args: Any, idx: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(args[i].data_ptr() for i in idx)
+def _ptrs(args: Any, idx: tuple[int, ...]) -> list[int]:
+    return [args[i].data_ptr() for i in idx]  # a list comprehension: every replay pays for this
 
 
 def copy_into(dst: Any, src: Any) -> None:

@@ -248,7 +248,9 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
                 piece = GraphedPiece(info.name, compiled[info.name], state, statics.get(info.name), measure)
                 split_gm.__dict__[info.name] = piece  # the generated forward looks submodules up by attribute
                 pieces.append(piece)
-        call = split_gm
+        if hasattr(split_gm, "real_recompile"):  # a lazy GraphModule: generate its forward now, not on a call
+            split_gm.real_recompile()
+        call = split_gm.forward  # not split_gm(...): nn.Module's call machinery costs every replay, for no hooks
     if static_s:
         log.info("piecegraph: static compiles for sizes %s took %.1f s", static_sizes, static_s)
     return Program(
