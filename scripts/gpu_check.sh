@@ -12,7 +12,7 @@
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
 # (first JIT, cold, warm) and checks the graph memory estimate. "serve-profile" profiles an engine's steps on the 0.5B
-# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default piecewise). "http" (issue 25) serves the 0.5B shape with
+# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
@@ -131,8 +131,8 @@ if has serve; then  # alone on the GPU: continuous batching, every mode, four co
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has serve-profile; then  # where a serving step's host time goes (cProfile over the engine's steps)
-  python3 scripts/profile_serve_step.py "$OUT/serve_profile.json" ${PROFILE_MODE:-piecewise} 2>&1 \
-    | tee "$OUT/serve_profile.log" | head -150
+  python3 scripts/profile_serve_step.py "$OUT/serve_profile.json" ${PROFILE_MODE:-auto} 2>&1 \
+    | tee "$OUT/serve_profile.log" | grep -v "^ *$" | head -240
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh processes) and the graph memory estimate
