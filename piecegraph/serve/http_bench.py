@@ -40,23 +40,44 @@ async def _one(conn: Any, model: str, prompt: list[int], max_new: int, token_ids
     if token_ids:
         body["return_token_ids"] = True
     done = _Done(prompt, time.monotonic())
-    usage = None
+    usage, count, times = None, 0, done.token_times
     async for line in conn.post_stream("/v1/completions", body):
         if not line.startswith(b"data: {"):
             continue
         now = time.monotonic()
-        data = json.loads(line[6:])
-        if "error" in data:
-            raise RuntimeError(f"stream error: {data['error']}")
-        usage = data.get("usage") or usage
-        for choice in data.get("choices") or ():
-            ids = choice.get("token_ids")
-            n = len(ids) if ids is not None else int(bool(choice.get("text")))
-            done.output += list(ids) if ids is not None else [-1] * n
-            done.token_times += [now] * n
-    if usage and usage.get("completion_tokens", 0) > len(done.output):  # a server that merges tokens per event
-        done.output += [-1] * (usage["completion_tokens"] - len(done.output))
+        n = _count_ids(line) if b'"usage"' not in line and not line.startswith(b'data: {"error"') else None
+        if n is None:  # no token ids to count, the usage chunk or an error: parse it
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(f"stream error: {data['error']}")
+            usage = data.get("usage") or usage
+            for choice in data.get("choices") or ():
+                ids = choice.get("token_ids")
+                n = (n or 0) + (len(ids) if ids is not None else int(bool(choice.get("text"))))
+        if n:
+            count += n
+            times += [now] * n
+    if usage and usage.get("completion_tokens", 0) > count:  # a server that merges tokens per event
+        count = usage["completion_tokens"]
+    done.output = range(count)
     return done
+
+
+def _count_ids(line: bytes) -> int | None:
+    """The number of ids in a chunk's one ``"token_ids": [...]`` without parsing the JSON (the client must not be
+    what the benchmark measures); ``None`` when there is no such list. Inside JSON text a quote is escaped, so the
+    key cannot appear in generated text."""
+    at = line.find(b'"token_ids":')
+    if at < 0 or line.find(b'"token_ids":', at + 12) >= 0:  # none, or several choices: parse instead
+        return None
+    start = at + 12
+    while line[start:start + 1] == b" ":
+        start += 1
+    if line[start:start + 1] != b"[":
+        return None
+    end = line.find(b"]", start)
+    inner = line[start + 1:end].strip()
+    return inner.count(b",") + 1 if inner else 0
 
 
 async def _loop(url: str, model: str, work: Sequence[tuple[list[int], int]], concurrency: int, token_ids: bool,

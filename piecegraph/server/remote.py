@@ -3,8 +3,14 @@
 In one process the handlers' per-token work (detokenizing, JSON, socket writes) competes with the engine's host
 work for the GIL, and the engine is host-bound on a GPU, so every microsecond the front end spends is lost
 throughput. Here the child process runs an :class:`~piecegraph.server.loop.EngineLoop` whose sink pickles each
-iteration's events (ids, new token ids, finish) onto a pipe; a reader thread in the server process hands them to
-the handlers' asyncio loops. The front end keeps the same interface (``submit``, ``abort``, ``load``, ``close``).
+iteration's events (ids, new token ids, finish) as ONE message onto a pipe. The front end keeps the same interface
+(``submit``, ``abort``, ``load``, ``close``).
+
+No thread sits between the two loops, because every thread hop costs a wake-up and, worse, a wait for the GIL
+(up to the 5 ms switch interval when the other thread is busy: that was the extra TTFT at concurrency 1 and the
+token bursts under load). The child's engine thread reads the command pipe itself between steps (blocking on it
+only when idle); the server reads the event pipe on its asyncio loop (``add_reader``: the first loop that
+submits), so a step's events reach the handlers' queues in one callback with no ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable
 
 import torch
@@ -31,7 +38,9 @@ class ProcessEngineLoop:
     """An engine built by ``factory()`` (a picklable callable: the child imports and calls it) in a spawned child
     process. :meth:`start` blocks until the engine is built and its graphs captured, then :attr:`info` holds its
     limits (``max_seq_len``, ``vocab_size``, ``max_num_seqs``, ``setup_s``). ``max_pending`` and ``metrics`` as
-    for :class:`~piecegraph.server.loop.EngineLoop`."""
+    for :class:`~piecegraph.server.loop.EngineLoop`. :meth:`submit` and :meth:`abort` run on one asyncio loop
+    (the first to submit reads the events; tickets of another loop get theirs thread-safely through it, so that
+    loop must keep running); :meth:`close` runs off that loop (``asyncio.to_thread``) or after it stopped."""
 
     def __init__(self, factory: Callable[[], Any], *, max_pending: int | None = None, metrics: Any = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked; spawn also starts the child clean
@@ -45,9 +54,10 @@ class ProcessEngineLoop:
         self._lock = threading.Lock()  # guards _tickets, _pending and the command pipe
         self._pending = self._running = 0
         self._ids = itertools.count()
-        self._closing = False
+        self._closing = self._eof = False
         self._snapshot = {"used": 0, "total": 0}
-        self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
+        self._aloop: asyncio.AbstractEventLoop | None = None  # the loop whose add_reader reads the event pipe
+        self._closed = threading.Event()
         self.finished_at_close: list[str] = []
         self.aborted_at_close: list[str] = []
 
@@ -65,17 +75,20 @@ class ProcessEngineLoop:
         self.info = payload
         self.max_pending = self.max_pending or 4 * payload["max_num_seqs"]
         self._snapshot = {"used": 0, "total": payload["num_pages"] - 1}
-        self._reader.start()
 
     @property
     def alive(self) -> bool:
-        return self._reader.is_alive() and self._proc.is_alive()
+        return not self._eof and not self._closed.is_set() and self._proc.is_alive()
 
     def submit(self, prompt: list[int], params: SamplingParams, *, prefix: str = "req") -> Ticket:
         """As :meth:`EngineLoop.submit <piecegraph.server.loop.EngineLoop.submit>`."""
         if self._closing or not self.alive:
             raise Closed("the server is shutting down" if self._closing else "the engine process is not running")
-        ticket = Ticket(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+        aloop = asyncio.get_running_loop()
+        if self._aloop is None:
+            self._aloop = aloop
+            aloop.add_reader(self._ev_recv.fileno(), self._on_readable)
+        ticket = Ticket(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue(), aloop)
         with self._lock:
             if self._pending >= self.max_pending:
                 raise QueueFull(f"{self._pending} requests are in flight, the most this server admits")
@@ -103,7 +116,17 @@ class ProcessEngineLoop:
         """Drain for up to ``drain_s`` seconds, abort the rest, stop the child; logs which requests were which."""
         self.begin_close()
         self._command(("close", drain_s))
-        self._reader.join(timeout=drain_s + 30)
+        aloop = self._aloop
+        if aloop is not None and aloop.is_running() and not _running_on(aloop):
+            self._closed.wait(drain_s + 30)  # the loop's reader takes the rest, "closed" included
+        else:  # no loop reads the pipe (none submitted, or it stopped): read it here
+            if aloop is not None and not aloop.is_closed():
+                aloop.remove_reader(self._ev_recv.fileno())
+            self._aloop = None
+            deadline = time.monotonic() + drain_s + 30
+            while not self._closed.is_set() and not self._eof and self._ev_recv.poll(deadline - time.monotonic()):
+                self._read_one()
+            self._fail_left()
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             log.warning("the engine process did not stop; terminating it")
@@ -117,31 +140,47 @@ class ProcessEngineLoop:
         with self._lock:
             try:
                 self._cmd_send.send(message)
-            except (OSError, ValueError):  # the child is gone: the reader fails what was in flight
+            except (OSError, ValueError):  # the child is gone: the event pipe's EOF fails what was in flight
                 pass
 
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._ev_recv.recv()
-            except (EOFError, OSError):
-                break
-            if message[0] == "events":
-                _, events, snapshot, kinds = message
-                self._snapshot = snapshot
-                self._dispatch(events)
-                if self.metrics is not None:
-                    for kind, n in kinds.items():
-                        self.metrics.inc("piecegraph_engine_steps_total", n, kind=kind)
-            elif message[0] == "closed":
-                self.finished_at_close, self.aborted_at_close = message[1], message[2]
-                break
+    def _on_readable(self) -> None:
+        """The event pipe is readable (asyncio loop): take every whole message there is, each a step's events."""
+        while not self._eof and not self._closed.is_set() and self._ev_recv.poll():
+            self._read_one()
+        if self._eof or self._closed.is_set():
+            self._aloop.remove_reader(self._ev_recv.fileno())
+            self._fail_left()
+
+    def _read_one(self) -> None:
+        try:
+            message = self._ev_recv.recv()
+        except (EOFError, OSError):
+            self._eof = True
+            return
+        if message[0] == "events":
+            _, events, snapshot, kinds = message
+            self._snapshot = snapshot
+            self._dispatch(events)
+            if self.metrics is not None:
+                for kind, n in kinds.items():
+                    self.metrics.inc("piecegraph_engine_steps_total", n, kind=kind)
+        elif message[0] == "closed":
+            self.finished_at_close, self.aborted_at_close = message[1], message[2]
+            self._closed.set()
+
+    def _fail_left(self) -> None:
         with self._lock:
             left = list(self._tickets.values())
-        self._dispatch([(t.id, [], None, "the engine process stopped", False) for t in left])
+        if left:
+            self._dispatch([(t.id, [], None, "the engine process stopped", False) for t in left])
 
     def _dispatch(self, events: list[tuple]) -> None:
-        now, out = time.perf_counter(), []
+        """One step's events to their handlers' queues: directly for tickets of the running loop (this is it)."""
+        now, other = time.perf_counter(), []
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         with self._lock:
             for rid, ids, reason, error, refused in events:
                 ticket = self._tickets.get(rid)
@@ -155,8 +194,20 @@ class ProcessEngineLoop:
                     ticket.done = True
                     self._pending -= 1
                     self._running -= 1 if ticket.sent else 0
-                out.append((ticket, Event(ids, reason, error, refused, at=now)))
-        post_events(out, self.abort)
+                event = Event(ids, reason, error, refused, now)
+                if ticket.aloop is here:
+                    ticket.events.put_nowait(event)
+                else:
+                    other.append((ticket, event))
+        if other:
+            post_events(other, self.abort)
+
+
+def _running_on(aloop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is aloop
+    except RuntimeError:
+        return False
 
 
 class _KindCounter:
@@ -173,8 +224,57 @@ class _KindCounter:
         return out
 
 
+class _PipeInbox:
+    """The child's :class:`EngineLoop` inbox, read by the engine thread straight from the command pipe (``get`` /
+    ``get_nowait`` as ``queue.SimpleQueue``'s): no thread in between, so a command never waits for the GIL.
+    ``close`` sets a drain deadline: ``stop`` once the loop is idle or the deadline passed (once; after it, what
+    is still in the pipe is handed over, so requests that raced the close are aborted as in-process); EOF (the
+    server process died) stops at once."""
+
+    def __init__(self, conn: Any, loop: Any) -> None:
+        self.conn, self.loop, self.local = conn, loop, deque()
+        self.deadline: float | None = None
+        self.stopping = False
+
+    def put(self, item: tuple) -> None:
+        self.local.append(item)
+
+    def get_nowait(self) -> tuple:
+        return self.get(0.0)
+
+    def get(self, timeout: float = 0.0) -> tuple:
+        if self.local:
+            return self.local.popleft()
+        if self.deadline is not None and not self.stopping:
+            now = time.monotonic()
+            if self.loop._stopped.is_set() or now >= self.deadline:
+                self.stopping = True
+                return ("stop", None)
+            timeout = min(timeout, self.deadline - now)
+        try:
+            if not self.conn.poll(timeout):
+                raise queue.Empty
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            if self.stopping:
+                raise queue.Empty from None
+            self.deadline, self.stopping = 0.0, True
+            return ("stop", None)
+        kind = message[0]
+        if kind == "add":
+            with self.loop._lock:
+                self.loop._pending += 1
+            return ("add", Ticket(message[1], message[2], message[3]))
+        if kind == "abort":
+            return ("abort", message[1])
+        self.loop.begin_close()  # begin_close, or close (with its drain)
+        if kind == "close":
+            self.deadline = time.monotonic() + message[1]
+        return ("wake", None)
+
+
 def _child(factory: Callable[[], Any], commands: Any, events: Any, threads: int) -> None:
-    """The engine process: build the engine, then apply commands until told to close."""
+    """The engine process: build the engine, then run its loop on this thread until told to close."""
     import signal
 
     from piecegraph.server.loop import EngineLoop
@@ -187,34 +287,18 @@ def _child(factory: Callable[[], Any], commands: Any, events: Any, threads: int)
     except BaseException:  # noqa: BLE001  (the parent shows the child's error and exits)
         events.send(("failed", traceback.format_exc()))
         return
-    cache, kinds, send_lock = engine.cache, _KindCounter(), threading.Lock()
+    cache, kinds = engine.cache, _KindCounter()
 
     def sink(batch: list[tuple[Ticket, Event]]) -> None:
         snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
         payload = [(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch]
-        with send_lock:
-            events.send(("events", payload, snapshot, kinds.take()))
+        events.send(("events", payload, snapshot, kinds.take()))
 
     loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink)  # the parent admits
+    loop._inbox = _PipeInbox(commands, loop)
     config = engine.config
     events.send(("ready", {"max_seq_len": config.max_seq_len or engine.model.config.max_seq_len,
                            "vocab_size": engine.model.config.vocab_size, "max_num_seqs": config.max_num_seqs,
                            "num_pages": cache.num_pages, "setup_s": engine.setup_s}))
-    loop.start()
-    while True:
-        try:
-            message = commands.recv()
-        except EOFError:  # the server process died: stop now
-            message = ("close", 0.0)
-        if message[0] == "add":
-            _, rid, prompt, params = message
-            loop.enqueue(Ticket(rid, prompt, params))
-        elif message[0] == "abort":
-            loop.abort_id(message[1])
-        elif message[0] == "begin_close":
-            loop.begin_close()
-        elif message[0] == "close":
-            loop.close(message[1])
-            with send_lock:
-                events.send(("closed", loop.finished_at_close, loop.aborted_at_close))
-            return
+    loop._run()  # on this thread: it reads the command pipe itself (see _PipeInbox)
+    events.send(("closed", loop.finished_at_close, loop.aborted_at_close))
