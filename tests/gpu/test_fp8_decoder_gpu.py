@@ -95,11 +95,15 @@ JUDGED = 32  # tokens judged per size: ceil(32 / n) calls of n tokens, the same 
 
 @torch.no_grad()
 def test_every_mode_equals_eager_fp8_within_the_e4m3_bound_for_every_capture_size(record_result):
-    """Per token, compiled within 2^-3 of eager FP8 (the e4m3 bound); the exceptions are routing near-ties: a
-    token whose k-th and (k+1)-th router logits nearly tie swaps an expert when Inductor's fused quantization
-    moves an element one e4m3 step (a discontinuity of the model, not an error of the graphs). So at most 10% of
-    the judged tokens may exceed the bound, and each that does must be a near-tie (its gap among the smallest 20%
-    of the judged tokens' gaps). A wrong graph (a size's code, pad rows leaking) fails whole sizes, at any gap."""
+    """Compiled FP8 against eager FP8 on the same weights, per token. Both quantize the same activations with the
+    same formula; Inductor's fused arithmetic rounds a few elements to the neighbouring e4m3 value, each within
+    one e4m3 step (<= 2^-3 of itself), so each is within the e4m3 bound B of the exact product and the two are
+    within 2B = 2^-2 of each other, per GEMM (measured: median 0.09 per token after two layers at 1 token). Two
+    assertions: (1) every token within 2^-2 of eager FP8, except routing near-ties: a token whose k-th and
+    (k+1)-th router logits nearly tie swaps an expert under any rounding change before its router (a
+    discontinuity of the model): at most 10% of the judged tokens, each with its gap among the smallest 20%;
+    (2) compiled FP8 is as close to the bf16 model as eager FP8 is: median per-token error against bf16 at most
+    1.25x eager's (a wrong graph, a size's code or pad rows leaking, is far from both, at any gap)."""
     base = MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
     model = quantize_fp8(MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda"))
     cache = _cache()
@@ -109,7 +113,7 @@ def test_every_mode_equals_eager_fp8_within_the_e4m3_bound_for_every_capture_siz
         graphed = piecegraph.compile(model, mode=mode, capture_sizes=SIZES, auto_opaque=mode != "breakable")
         judged = {}
         for n in (*SIZES, 5):  # 5: padded into the 8 graph
-            errs, gaps, vs_bf16 = [], [], []
+            errs, gaps, vs_bf16, got_bf16 = [], [], [], []
             for call in range(-(-JUDGED // n)):
                 meta = _decode_meta(cache, n)
                 gen = torch.Generator(device="cuda").manual_seed(1000 * n + call)
@@ -121,14 +125,19 @@ def test_every_mode_equals_eager_fp8_within_the_e4m3_bound_for_every_capture_siz
                 errs.append(_rel_rows(got, eager))
                 gaps.append(gap)
                 vs_bf16.append(_rel_rows(eager, exact))
-            errs, gaps = torch.cat(errs), torch.cat(gaps)
-            over = errs > 2**-3
+                got_bf16.append(_rel_rows(got, exact))
+            errs, gaps, vs_bf16 = torch.cat(errs), torch.cat(gaps), torch.cat(vs_bf16)
+            over = errs > 2**-2
             near_tie = gaps.quantile(0.2)
             judged[n] = {"tokens": len(errs), "median": errs.median().item(), "max": errs.max().item(),
                          "over_bound": int(over.sum()), "over_bound_gaps": gaps[over].tolist(),
-                         "near_tie_gap": near_tie.item(),
-                         "eager_fp8_vs_bf16_median": torch.cat(vs_bf16).median().item()}
+                         "near_tie_gap": near_tie.item(), "eager_fp8_vs_bf16_median": vs_bf16.median().item(),
+                         "compiled_fp8_vs_bf16_median": torch.cat(got_bf16).median().item()}
+            results[mode] = {"per_size": judged}
+            record_result(RESULTS, "modes", results)  # kept if an assertion below stops the test
             assert over.sum() <= 0.1 * len(errs) and bool((gaps[over] <= near_tie).all()), (mode, n, judged[n])
+            assert judged[n]["compiled_fp8_vs_bf16_median"] <= 1.25 * judged[n]["eager_fp8_vs_bf16_median"], (
+                mode, n, judged[n])
         stats = graphed.stats()
         results[mode] = {"per_size": judged, "mode": stats.get("mode"),
                          "auto_opaque": list(stats.get("auto_opaque") or ())}
