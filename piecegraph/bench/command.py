@@ -38,7 +38,7 @@ TP_MODES = ("eager", "full", "full-compiled", "piecewise", "breakable", "none")
 def _modes(text: str, device: str, tp: int = 1) -> list[str]:
     from piecegraph.bench.modes import CPU_MODES, GPU_MODES, KNOWN_MODES
 
-    if text == "auto":
+    if text == "all":
         names = list(GPU_MODES if device == "cuda" else CPU_MODES)
         return [m for m in names if m in TP_MODES] if tp > 1 else names
     names = [m.strip() for m in text.split(",") if m.strip()]
@@ -68,9 +68,9 @@ def bench(
                               "PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
     quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
                               "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
-    modes: str = typer.Option("auto", help="comma-separated: eager,full,full-compiled,piecewise,breakable,"
+    modes: str = typer.Option("all", help="comma-separated: eager,full,full-compiled,piecewise,breakable,auto,"
                               "torch.compile,reduce-overhead,graph-partition,baked-graph,meta-pcg,none "
-                              "(auto: all on GPU, eager,none on CPU)"),
+                              "(all: every mode on GPU, eager,none on CPU)"),
     batches: str = typer.Option("1,10,256,1024", help="decode batch sizes (sequences per step)"),
     prefill: str = typer.Option("16,128,512,2048", help="packed prefill token totals, mixed lengths ('' for none)"),
     context: int = typer.Option(256, min=1, help="cached tokens per sequence in decode"),

@@ -8,6 +8,7 @@
 | piecewise | piecegraph ``mode="piecewise"``, Inductor: graphs between attention calls, attention eager |
 | piecewise-static | piecewise, ``compile_sizes="auto"``: each size also compiled static, kept where it ran faster |
 | breakable | piecegraph ``mode="breakable"``: eager forward captured in segments, no Dynamo (when it exists) |
+| auto | what the engine's auto runs: piecegraph ``mode="auto"``, decode steps on a full graph where measured faster |
 | none | piecegraph ``mode="none"``: compiled pieces, no graphs (the CPU mode) |
 | torch.compile | ``torch.compile(model)``, default mode |
 | reduce-overhead | ``torch.compile(model, mode="reduce-overhead")``: Inductor's CUDA graph trees |
@@ -32,17 +33,18 @@ import torch
 
 import piecegraph
 from piecegraph.bench import meta_pcg
+from piecegraph.bench.auto_mode import prepare_auto
 from piecegraph.bench.baked import NOTE as BAKED_NOTE
 from piecegraph.bench.baked import BakedGraph
 from piecegraph.bench.harness import sync
 
 # Slowest to compile last: a sweep cut short by a time limit loses the baselines, not piecegraph's modes.
-GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "piecewise-static", "breakable", "meta-pcg",
+GPU_MODES = ("eager", "full", "full-compiled", "piecewise", "piecewise-static", "breakable", "auto", "meta-pcg",
              "torch.compile", "reduce-overhead", "graph-partition", "baked-graph")
 CPU_MODES = ("eager", "none")
 KNOWN_MODES = GPU_MODES + ("none",)
-_GRAPHED = ("full", "full-compiled", "piecewise", "piecewise-static", "breakable", "meta-pcg", "reduce-overhead",
-            "graph-partition", "baked-graph")
+_GRAPHED = ("full", "full-compiled", "piecewise", "piecewise-static", "breakable", "auto", "meta-pcg",
+            "reduce-overhead", "graph-partition", "baked-graph")
 
 FULL_PREFILL = ("a full graph captures pure decode steps only (token-aligned metadata); a varlen prefill's layout "
                 "is host metadata, so it needs piecewise (piecegraph rejects it)")
@@ -172,6 +174,9 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
     if name == "piecewise-static":
         graphed, seconds = _graphed(model, "piecewise", "inductor", every, make_inputs, compile_sizes="auto")
         return Prepared(name, graphed, seconds, graphed.stats)
+    if name == "auto":
+        auto, seconds = prepare_auto(model, decode_sizes, prefill_sizes, make_inputs)
+        return Prepared(name, auto, seconds, auto.stats)
     if name == "torch.compile":
         return Prepared(name, torch.compile(model), warm_calls=2)
     if name == "reduce-overhead":

@@ -89,6 +89,8 @@ def _mode_facts(prep: bench_modes.Prepared, setup_s: float) -> dict[str, Any]:
         **({"startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in stats["startup"].items()}}
            if stats.get("startup") else {}),
         **({"auto_opaque": sorted(stats["auto_opaque"])} if stats.get("auto_opaque") else {}),
+        # the auto row: which module each decode size replays, and the two timings that chose it
+        **({"decode_choice": stats["decode_choice"]} if stats.get("decode_choice") else {}),
     }
 
 

@@ -329,3 +329,33 @@ def test_bad_sizes_and_profile_spec_name_their_option():
                          (["--modes", "nope"], "--modes")):
         result = runner.invoke(app, ["bench", "--device", "cpu", *args])
         assert result.exit_code != 0 and option in result.output, result.output
+
+
+def test_the_auto_row_runs_decode_on_the_measured_module_and_prefill_piecewise(tiny, monkeypatch):
+    # Built on CPU (no graphs: the modules run their compiled code): every row equals eager, each decode size
+    # records its choice with both timings, and a decode call replays the module it chose.
+    monkeypatch.setattr(bench_modes, "unavailable", lambda name: None)
+    cache = decode_cache(tiny, [1, 3], context=4)
+    cases = decode_cases(tiny, cache, [1, 3], 4) + prefill_cases(tiny, [12])
+    sweep._references(tiny, cases)
+    with pytest.warns(UserWarning):
+        rows, facts = sweep._run_mode("auto", tiny, cases, capture_inputs(tiny, cache), 1, 10.0, lambda s: None)
+    assert [r.skipped for r in rows] == [None, None, None]
+    assert all(r.rel_err < 1e-5 for r in rows), [r.rel_err for r in rows]
+    choice = facts["decode_choice"]
+    assert set(choice) == {1, 3} and all(c["pick"] in ("full", "piecewise") and c["full_ms"] > 0
+                                         and c["piecewise_ms"] > 0 for c in choice.values())
+    prep = bench_modes.prepare("auto", tiny, [3], [12], capture_inputs(tiny, cache))
+    calls = []
+    for name in ("full", "mixed"):  # record which module each call reaches
+        module = getattr(prep.fn, name)
+        setattr(prep.fn, name, lambda *a, m=module, name=name: (calls.append(name), m(*a))[1])
+    decode, prefill = decode_cases(tiny, cache, [3], 4)[0], prefill_cases(tiny, [12])[0]
+    with torch.no_grad():
+        for pick in ("full", "piecewise"):
+            prep.fn.choice[3]["pick"] = pick
+            with forward_context(decode.meta):
+                torch.testing.assert_close(prep.fn(*decode.args(0)), tiny(*decode.args(0)), rtol=1e-5, atol=1e-5)
+        with forward_context(prefill.meta):
+            torch.testing.assert_close(prep.fn(*prefill.args(0)), tiny(*prefill.args(0)), rtol=1e-5, atol=1e-5)
+    assert calls == ["full", "mixed", "mixed"]
