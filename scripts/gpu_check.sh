@@ -12,7 +12,8 @@
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
 # (first JIT, cold, warm) and checks the graph memory estimate. "serve-profile" profiles an engine's steps on the 0.5B
-# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto). "http" (issue 25) serves the 0.5B shape with
+# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto). "moe" (issue 23) benches
+# the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
@@ -129,6 +130,20 @@ if has serve; then  # alone on the GPU: continuous batching, every mode, four co
     --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
     --json "$OUT/serve_bench.json" --plot "$OUT/serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has moe; then  # issue 23: the FP8 MoE preset (A2.7B shape) benched per mode, then served in FP8 and bf16
+  MOE_MODEL=${MOE_MODEL:-qwen1.5-moe-a2.7b}
+  python3 -m piecegraph.cli bench --model "$MOE_MODEL" --quant fp8 --device cuda --attention flashinfer \
+    --modes "${MOE_MODES:-eager,breakable,piecewise,full-compiled,auto}" --batches "${BATCHES:-1,10,256,1024}" \
+    --prefill "${PREFILL:-16,512,2048}" --json "$OUT/moe_fp8_bench.json" 2>&1 | tee "$OUT/moe_bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  for quant in ${MOE_QUANTS:-fp8 bf16}; do
+    python3 -m piecegraph.cli serve-bench --model "$MOE_MODEL" --quant "$quant" --device cuda --attention flashinfer \
+      --modes "${MOE_SERVE_MODES:-auto}" --concurrency "${SERVE_CONC:-256,1024}" --requests "${SERVE_REQUESTS:-512,1024}" \
+      --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
+      --json "$OUT/moe_${quant}_serve.json" 2>&1 | tee -a "$OUT/moe_serve.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
 fi
 if has serve-profile; then  # where a serving step's host time goes (cProfile over the engine's steps)
   python3 scripts/profile_serve_step.py "$OUT/serve_profile.json" ${PROFILE_MODE:-auto} 2>&1 \
