@@ -110,6 +110,10 @@ class KVCache:
         """Tokens the pages of ``seq`` can hold (0 for a sequence without pages)."""
         return len(self._tables.get(seq, ())) * self.page_size
 
+    def num_pages_held(self, seq: Hashable) -> int:
+        """Pages ``seq`` holds (0 for a sequence without pages): ``capacity(seq) // page_size``, cheaper."""
+        return len(self._tables.get(seq, ()))
+
     def sequences(self) -> list[Hashable]:
         return list(self._tables)
 
@@ -119,14 +123,18 @@ class KVCache:
         Raises ``ValueError`` when a length exceeds ``max_seq_len`` and :class:`OutOfPagesError` when the free
         pages do not cover the whole request; in both cases no page table changes.
         """
-        needs: dict[Hashable, int] = {}
+        needs: dict[Hashable, int] = {}  # first-seen order: pages are handed out in it
+        tables, ps, limit = self._tables, self.page_size, self.max_seq_len
         for seq, total in lengths:
-            if total > self.max_seq_len:
+            if total > limit:
                 raise ValueError(f"sequence {seq!r} would hold {total} tokens, beyond the KV cache's max_seq_len "
-                                 f"{self.max_seq_len}; build the cache with a larger max_seq_len")
-            have = len(self._tables.get(seq, ()))
-            needs[seq] = max(needs.get(seq, 0), pages_for(total, self.page_size) - have)
-        wanted = sum(n for n in needs.values() if n > 0)
+                                 f"{limit}; build the cache with a larger max_seq_len")
+            need = -(-total // ps) - len(tables.get(seq, ()))
+            if need <= 0:
+                needs.setdefault(seq, 0)  # most decode rows: the last page has room
+            elif need > needs.get(seq, 0):
+                needs[seq] = need
+        wanted = sum(needs.values())
         if wanted > len(self._free):
             raise OutOfPagesError(
                 f"the KV cache needs {wanted} more pages of {self.page_size} tokens for this batch but has "
@@ -134,7 +142,7 @@ class KVCache:
                 "Free finished sequences (cache.free(seq)), run fewer sequences per step, or build a larger cache."
             )
         for seq, n in needs.items():
-            if n <= 0:
+            if not n:
                 continue
             table = self._tables.setdefault(seq, [])
             row = self._slot_for(seq)

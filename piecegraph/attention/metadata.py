@@ -12,7 +12,9 @@ import array
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from itertools import chain, repeat
+from operator import sub
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 
@@ -119,23 +121,22 @@ class AttentionMetadata:
         ids = [s for s, _, _ in seqs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"sequence ids must be distinct within a step, got {ids}")
+        capacity = cache.capacity
         for seq, cached, new in seqs:
             if not (isinstance(cached, int) and isinstance(new, int)) or cached < 0 or new < 1:
                 raise ValueError(f"sequence {seq!r}: need num_cached >= 0 and num_new >= 1 (ints), "
                                  f"got num_cached={describe(cached)}, num_new={describe(new)}")
-            held = cache.capacity(seq)
-            if cached > held:
-                raise ValueError(f"sequence {seq!r} claims {cached} cached tokens but holds pages for only {held}; "
-                                 "a sequence's earlier tokens must have gone through this cache (or reserve "
-                                 "its pages first with cache.reserve([(seq, length)]))")
-        cache.reserve((seq, cached + new) for seq, cached, new in seqs)
+            if cached and cached > capacity(seq):  # a prefill (cached 0) needs no look-up
+                raise ValueError(f"sequence {seq!r} claims {cached} cached tokens but holds pages for only "
+                                 f"{capacity(seq)}; a sequence's earlier tokens must have gone through this cache "
+                                 "(or reserve its pages first with cache.reserve([(seq, length)]))")
+        num_new = tuple(n for _, _, n in seqs)
+        kv_lens = tuple(c + n for _, c, n in seqs)
+        cache.reserve(zip(ids, kv_lens))
         device_table = _has_device_table(cache)
-        pages = tuple(cache.pages_view(s) for s in ids) if device_table else tuple(cache.page_table(s) for s in ids)
-        layout = BatchLayout(
-            seq_ids=tuple(ids), num_new=tuple(n for _, _, n in seqs), kv_lens=tuple(c + n for _, c, n in seqs),
-            pages=pages, page_size=cache.page_size,
-            slots=tuple(cache.slot(s) for s in ids) if device_table else None,
-        )
+        pages = tuple(map(cache.pages_view if device_table else cache.page_table, ids))
+        layout = BatchLayout(seq_ids=tuple(ids), num_new=num_new, kv_lens=kv_lens, pages=pages,
+                             page_size=cache.page_size, slots=tuple(map(cache.slot, ids)) if device_table else None)
         return cls.from_layout(cache, layout)
 
     @classmethod
@@ -156,19 +157,34 @@ class AttentionMetadata:
     @classmethod
     def from_layout(cls, cache: PagedCache, layout: BatchLayout) -> "AttentionMetadata":
         """Lay out tokens on the device and let the backend plan (what :meth:`for_batch` does after reserving)."""
-        host = {"positions": layout.token_positions(), "slot_mapping": layout.token_slots()}
+        # Per token only C-level iteration (chained ranges) and whole-tensor ops: this runs every step over
+        # 1000+ rows. With the cache's device page table (layout.slots set) each token's flat slot is looked up
+        # there (one index_select), so the host never walks the page lists.
+        decode = layout.is_decode
+        positions = token_positions_tensor(layout)
+        host: dict[str, torch.Tensor | Sequence[int]] = {"positions": positions}
+        slots = layout.slots
+        if slots is not None:
+            rows = host_tensor(slots if decode else list(_repeat_each(slots, layout.num_new)))
+            host["at"] = rows * cache.max_pages_per_seq + positions.div(layout.page_size, rounding_mode="floor")
+            host["offset"] = positions.remainder(layout.page_size)
+        else:
+            host["slot_mapping"] = layout.token_slots()
         # The dense decode page table, only for a backend that reads it (FlashInfer plans its own CSR layout):
         # gathered on the device from the cache's page table by slot, or (a cache without one) built on the host.
-        table = layout.is_decode and getattr(cache.backend, "reads_page_table", True)
-        gather = table and layout.slots is not None  # slots are set only for a cache with a device table
+        table = decode and getattr(cache.backend, "reads_page_table", True)
+        gather = table and slots is not None
         if gather:
-            host["slots"] = list(layout.slots)
+            host["slots"] = slots
         elif table:
             width, pad = cache.max_pages_per_seq, (SCRATCH_PAGE,)
             host["page_table"] = [p for pages in layout.pages for p in (*pages, *pad * (width - len(pages)))]
-        if layout.is_decode:
-            host["kv_lens"] = list(layout.kv_lens)
+        if decode:
+            host["kv_lens"] = layout.kv_lens
         dev = to_device(host, cache.device)
+        if slots is not None:
+            pages = cache.device_table().view(-1).index_select(0, dev.pop("at"))
+            dev["slot_mapping"] = torch.add(dev.pop("offset"), pages, alpha=layout.page_size)
         if gather:
             dev["page_table"] = cache.device_table().index_select(0, dev.pop("slots")).long()
         elif table:
@@ -201,24 +217,50 @@ def dummy(cache: PagedCache, n: int) -> AttentionMetadata:
     return AttentionMetadata.dummy(cache, n)
 
 
-def to_device(host: dict[str, list[int]], device: torch.device, dtype: torch.dtype = torch.int64
+def token_positions_tensor(layout: BatchLayout) -> torch.Tensor:
+    """``layout.token_positions()`` as an int64 CPU tensor, without a Python loop over tokens."""
+    if layout.is_decode:
+        return host_tensor(layout.kv_lens) - 1
+    return host_tensor(list(chain.from_iterable(map(range, map(sub, layout.kv_lens, layout.num_new),
+                                                    layout.kv_lens))))
+
+
+def _repeat_each(values: Sequence[int], counts: Sequence[int]) -> Iterator[int]:
+    """``values[i]`` ``counts[i]`` times, in order (C-level iteration)."""
+    return chain.from_iterable(map(repeat, values, counts))
+
+
+def to_device(host: dict[str, Sequence[int] | torch.Tensor], device: torch.device, dtype: torch.dtype = torch.int64
               ) -> dict[str, torch.Tensor]:
-    """Host int lists as tensors on ``device``, through one packed copy (one transfer per step, not per field)."""
-    flat = [v for values in host.values() for v in values]
-    packed = host_tensor(flat, dtype)
+    """Host ints (lists, tuples or 1-d CPU tensors) as ``dtype`` tensors on ``device``, views of one packed
+    buffer: on CUDA one pinned staging buffer and one non-blocking copy per call (not per field). The staging
+    buffer comes from torch's caching host allocator, which keeps it from reuse until the copy ran."""
+    values = list(host.values())
+    if all(not isinstance(v, torch.Tensor) for v in values):
+        flat = array.array(_ARRAY_CODES[dtype])
+        for v in values:
+            flat.extend(v)  # C-level, per field
+        packed = torch.frombuffer(flat, dtype=dtype) if flat else torch.empty(0, dtype=dtype)
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+    else:
+        parts = [v.to(dtype) if isinstance(v, torch.Tensor) else host_tensor(v, dtype) for v in values]
+        size = sum(len(v) for v in parts)
+        packed = torch.empty(size, dtype=dtype, pin_memory=device.type == "cuda")
+        torch.cat(parts, out=packed)  # straight into the (pinned) staging buffer: no second host copy
     if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
+        packed = packed.to(device, non_blocking=True)
     out, start = {}, 0
-    for name, values in host.items():
-        out[name] = packed[start:start + len(values)]
-        start += len(values)
+    for name, v in zip(host, values):
+        out[name] = packed[start:start + len(v)]
+        start += len(v)
     return out
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
 
 
-def host_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A CPU tensor of ``values`` (int32 or int64), through ``array``: about 3x faster than ``torch.tensor`` on
     a list, which matters for the page layouts of 1000-row steps (tens of thousands of ints per step)."""
     if not values:

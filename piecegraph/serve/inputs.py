@@ -41,21 +41,28 @@ def build_inputs(rows: Sequence[Row], device: torch.device, previous_tokens: tor
     ends: list[int] = []
     sampled: list[Request] = []
     offset = 0
-    for r in rows:
-        request, stop = r.request, r.cached + r.new
-        known = len(request.prompt) + len(request.output)
+    # Once per row every step (1000+ rows): Request properties and token_slice are inlined; a decode row whose
+    # token is in flight reads no host token at all.
+    for request, cached, new in rows:
+        stop = cached + new
+        prompt, output, inflight = request.prompt, request.output, request.inflight
+        p = len(prompt)
+        known = p + len(output)
         if stop > known:
             if stop != known + 1 or previous_index is None or request not in previous_index:
-                raise RuntimeError(f"request {request.id!r}: row [{r.cached}, {stop}) needs {stop - known} tokens "
+                raise RuntimeError(f"request {request.id!r}: row [{cached}, {stop}) needs {stop - known} tokens "
                                    "the host does not know and the running step did not sample (engine bug)")
-            flat += request.token_slice(r.cached, known)
+            if cached < known:
+                flat += request.token_slice(cached, known)
             flat.append(0)  # placeholder, overwritten on the device
-            dst.append(offset + r.new - 1)
+            dst.append(offset + new - 1)
             src.append(previous_index[request])
+        elif cached >= p:
+            flat += output[cached - p:stop - p]
         else:
-            flat += request.token_slice(r.cached, stop)
-        offset += r.new
-        if r.samples:
+            flat += request.token_slice(cached, stop)
+        offset += new
+        if stop == known + inflight:  # Row.samples: the row ends at the request's last token
             ends.append(offset - 1)
             sampled.append(request)
     every = len(ends) == offset
