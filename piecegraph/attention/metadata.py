@@ -157,14 +157,15 @@ class AttentionMetadata:
     @classmethod
     def from_layout(cls, cache: PagedCache, layout: BatchLayout) -> "AttentionMetadata":
         """Lay out tokens on the device and let the backend plan (what :meth:`for_batch` does after reserving)."""
-        # Per token only C-level iteration (chained ranges) and whole-tensor ops: this runs every step over
-        # 1000+ rows. With the cache's device page table (layout.slots set) each token's flat slot is looked up
-        # there (one index_select), so the host never walks the page lists.
-        decode = layout.is_decode
-        positions = token_positions_tensor(layout)
+        # A large step (1000+ rows) lays out its tokens with C-level iteration and whole-tensor ops: with the
+        # cache's device page table (layout.slots set) each token's flat slot is looked up there (one
+        # index_select), so the host never walks the page lists. A small step (batch-1 decode) walks them: the
+        # tensor ops' fixed cost is more than its few tokens' Python (scripts/step_host_cost.py --rows 1 10).
+        decode, slots = layout.is_decode, layout.slots
+        lookup = slots is not None and layout.num_tokens > SMALL_STEP
+        positions = token_positions_tensor(layout) if lookup else layout.token_positions()
         host: dict[str, torch.Tensor | Sequence[int]] = {"positions": positions}
-        slots = layout.slots
-        if slots is not None:
+        if lookup:
             rows = host_tensor(slots if decode else list(_repeat_each(slots, layout.num_new)))
             host["at"] = rows * cache.max_pages_per_seq + positions.div(layout.page_size, rounding_mode="floor")
             host["offset"] = positions.remainder(layout.page_size)
@@ -182,7 +183,7 @@ class AttentionMetadata:
         if decode:
             host["kv_lens"] = layout.kv_lens
         dev = to_device(host, cache.device)
-        if slots is not None:
+        if lookup:
             pages = cache.device_table().view(-1).index_select(0, dev.pop("at"))
             dev["slot_mapping"] = torch.add(dev.pop("offset"), pages, alpha=layout.page_size)
         if gather:
@@ -215,6 +216,9 @@ class AttentionMetadata:
 def dummy(cache: PagedCache, n: int) -> AttentionMetadata:
     """Shorthand for :meth:`AttentionMetadata.dummy`."""
     return AttentionMetadata.dummy(cache, n)
+
+
+SMALL_STEP = 64  # tokens: up to here a step's layout is built per token in Python (cheaper than tensor ops)
 
 
 def token_positions_tensor(layout: BatchLayout) -> torch.Tensor:

@@ -50,7 +50,7 @@ class _HostOnly:
 
 
 def _cache(page_size: int, seed: int) -> KVCache:
-    cache = KVCache(TINY.replace(num_layers=1, max_seq_len=MAX_LEN), 12 * MAX_LEN + 1, page_size, backend="torch")
+    cache = KVCache(TINY.replace(num_layers=1, max_seq_len=MAX_LEN), 80 * MAX_LEN + 1, page_size, backend="torch")
     random.Random(seed).shuffle(cache._free)  # pages out of order, as after many frees
     return cache
 
@@ -105,7 +105,9 @@ def _ref_inputs(rows, previous_index):
 def _batches(draw):
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     decode = draw(st.booleans())
-    n = draw(st.integers(1, 12))
+    # decode steps of up to 80 rows and mixed steps of up to 12: both sides of SMALL_STEP (64 tokens), where
+    # the layouts switch from per-token Python to whole-tensor ops
+    n = draw(st.integers(1, 80 if decode else 12))
     seqs = []
     for i in range(n):
         if decode:

@@ -60,8 +60,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from piecegraph.attention.metadata import AttentionMetadata, BatchLayout, host_tensor, to_device, token_positions_tensor
-from piecegraph.attention.pages import SCRATCH_PAGE
+from piecegraph.attention.metadata import (
+    SMALL_STEP,
+    AttentionMetadata,
+    BatchLayout,
+    host_tensor,
+    to_device,
+    token_positions_tensor,
+)
+from piecegraph.attention.pages import SCRATCH_PAGE, pages_for
 from piecegraph.attention.types import CacheShape, PagedCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
@@ -294,6 +301,8 @@ def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = 
     and int32 CPU tensors (what ``plan()`` reads on the host). ``append_only``: no device indptr/last_page_len
     (a graph's live in its wrapper's fixed buffers). ``table``: the cache's device page table; with it (and
     ``layout.slots``) ``kv_indices`` is gathered on the device, so the host sends O(rows) ints, not every page."""
+    if layout.num_tokens <= SMALL_STEP:  # a few rows: a Python loop costs less than the tensor ops below
+        return _page_layout_rows(layout, device, append_only, table)
     # Whole-tensor ops on the rows' ints, no Python loop over rows or tokens: this runs every eager step over
     # 1000+ rows (it cost ~0.75 ms per step as a per-row loop).
     ps, i32 = layout.page_size, torch.int32
@@ -325,6 +334,41 @@ def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = 
     if gather:
         dev["kv_indices"] = _gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
                                             int(views["kv_indptr"][-1]))  # a host tensor: no sync
+    return dev, views
+
+
+def _page_layout_rows(layout: BatchLayout, device: torch.device, append_only: bool, table: torch.Tensor | None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`_page_layout` of a small step, row by row (equal outputs; tests/cpu/test_step_host_equal.py)."""
+    ps = layout.page_size
+    gather = table is not None and layout.slots is not None
+    qo_indptr, kv_indptr, indices, last, batch, positions, used_pages = [0], [0], [], [], [], [], []
+    for b, (new, kv) in enumerate(zip(layout.num_new, layout.kv_lens)):
+        used = pages_for(kv, ps)  # a table may hold pages reserved for later tokens; FlashInfer must not see them
+        if not gather:
+            indices += layout.pages[b][:used]
+        used_pages.append(used)
+        qo_indptr.append(qo_indptr[-1] + new)
+        kv_indptr.append(kv_indptr[-1] + used)
+        last.append(kv - (used - 1) * ps)
+        batch += [b] * new
+        positions += range(kv - new, kv)
+    host = {"batch_indices": batch, "append_positions": positions}
+    if gather:
+        host.update(slots=list(layout.slots), used=used_pages, starts=kv_indptr[:-1])
+    else:
+        host["kv_indices"] = indices
+    if not append_only:
+        host.update(kv_indptr=kv_indptr, kv_last_page_len=last)
+    cpu = host_tensor([*qo_indptr, *kv_indptr, *last], torch.int32)
+    if device.type == "cuda":  # plan() copies these to the device: from pageable memory that waits for the stream
+        cpu = cpu.pin_memory()
+    b1 = len(qo_indptr)
+    views = {"qo_indptr": cpu[:b1], "kv_indptr": cpu[b1:2 * b1], "kv_last_page_len": cpu[2 * b1:]}
+    dev = to_device(host, device, dtype=torch.int32)
+    if gather:
+        dev["kv_indices"] = _gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
+                                            kv_indptr[-1])
     return dev, views
 
 
