@@ -6,6 +6,7 @@ running request per step and does no model work, driven by ``serve-bench --url``
     python scripts/http_overhead.py -c 256 --step-ms 8 --tokens 128 --requests 1024
     python scripts/http_overhead.py --engine thread          # the engine on a thread of the server process
     python scripts/http_overhead.py -c 64 --profile          # py-spy top-functions of the HTTP process (if present)
+    python scripts/http_overhead.py -c 10,256,1024 --step-ms 10   # a GPU-like step: tokens are not merged at 256
 
 For each concurrency it prints output tok/s, TTFT and ITL p50, and CPU microseconds per streamed token of the HTTP
 server process (everything but the engine), of the engine process (the stand-in: its loop, pickling, the pipe)
@@ -118,7 +119,7 @@ def _client_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _measure(url: str, c: int, requests: int, tokens: int, info: dict) -> dict:
+def _measure(url: str, c: int, requests: int, tokens: int, info: dict, timeout_s: float = 600.0) -> dict:
     import asyncio
 
     from piecegraph.serve.bench import metrics
@@ -126,7 +127,7 @@ def _measure(url: str, c: int, requests: int, tokens: int, info: dict) -> dict:
 
     work = [([1 + (i + j) % 200 for j in range(16)], tokens) for i in range(requests)]
     before = (_cpu_s(info["pid"]), _cpu_s(info["engine_pid"]), _client_cpu_s())
-    done, start, end = asyncio.run(_loop(url, "standin", work, c, True, 600.0))
+    done, start, end = asyncio.run(_loop(url, "standin", work, c, True, timeout_s))
     after = (_cpu_s(info["pid"]), _cpu_s(info["engine_pid"]), _client_cpu_s())
     out = sum(len(d.output) for d in done)
     row = metrics(done, end - start)
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--engine", choices=("process", "thread"), default="process")
     parser.add_argument("--profile", action="store_true", help="py-spy the HTTP process during the last run")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (a hang fails)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -171,7 +173,7 @@ def main() -> None:
                                         "--output", "http_overhead.pyspy.txt", "--threads", "--rate", "500"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            row = _measure(url, c, args.requests or max(16, 4 * c), args.tokens, info)
+            row = _measure(url, c, args.requests or max(16, 4 * c), args.tokens, info, args.timeout)
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(30)

@@ -10,27 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii as _json_str  # json.dumps(str)'s own C escaper
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from piecegraph.server.loop import Closed, EngineLoop, Event, QueueFull, Ticket
 from piecegraph.server.metrics import Metrics
 from piecegraph.server.protocol import APIError, ChatRequest, CompletionRequest, parse
 from piecegraph.server.sampling import build_params
+from piecegraph.server.sse import RAW_RECEIVE, RAW_SEND, ChunkFormat, Pieces, SSEResponse
 from piecegraph.server.stream import TextStream
 from piecegraph.server.tokenizer import NoChatTemplate, Tokenizer
 
 log = logging.getLogger("piecegraph.server")
-
-FINISH = {"eos": "stop", "length": "length", "aborted": "abort"}  # engine reason -> OpenAI's
 
 
 @dataclass
@@ -48,15 +45,18 @@ class ServerState:
     created: int = 0
 
 
-@dataclass
-class Piece:
-    text: str
-    ids: list[int]
-    finish_reason: str | None
+class _App(FastAPI):
+    """FastAPI that also puts the ASGI server's own ``send`` and ``receive`` in the scope, for
+    :class:`~piecegraph.server.sse.SSEResponse` to stream on without the middleware wrappers."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[RAW_SEND], scope[RAW_RECEIVE] = send, receive
+        await super().__call__(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over ``state``; its lifespan starts the engine loop and closes it (draining) at shutdown."""
+    """The FastAPI app over ``state``; its lifespan starts the engine loop and closes it (draining) at shutdown.
+    Streaming responses bypass the middleware's ``send`` wrappers (see :mod:`piecegraph.server.sse`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,7 +65,7 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await asyncio.to_thread(state.loop.close, state.drain_s)
 
-    app = FastAPI(title="piecegraph", lifespan=lifespan)
+    app = _App(title="piecegraph", lifespan=lifespan)
     state.created = state.created or int(time.time())
 
     @app.exception_handler(APIError)
@@ -170,21 +170,19 @@ async def _generate(state: ServerState, request: Request, req: Any, prompt: list
                        param="prompt" if ack.refused else None, type="invalid_request_error" if ack.refused
                        else "server_error")
     state.metrics.inc("piecegraph_prompt_tokens_total", len(prompt))
-    text = TextStream(state.tokenizer, stop, stop_ids)
-    pieces = _pieces(state, ticket, text, arrival, watcher)
+    pieces = Pieces(state, ticket, TextStream(state.tokenizer, stop, stop_ids), arrival, watcher)
     head = {"id": ticket.id, "created": int(time.time()), "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _sse(pieces, head, chat, req.return_token_ids, len(prompt), include_usage)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(pieces, ChunkFormat(head, chat, req.return_token_ids), len(prompt), include_usage)
     return JSONResponse(await _collect(pieces, head, chat, req.return_token_ids, prompt))
 
 
 async def _watch_disconnect(state: ServerState, request: Request, ticket: Ticket) -> None:
     """A client that goes away aborts its request (the engine frees its pages at its next iteration)."""
+    receive = request.scope.get(RAW_RECEIVE, request.receive)  # one listener per request, the server's own
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             if not ticket.done:
                 log.info("%s: the client disconnected; aborted", ticket.id)
@@ -193,59 +191,17 @@ async def _watch_disconnect(state: ServerState, request: Request, ticket: Ticket
             return
 
 
-async def _pieces(state: ServerState, ticket: Ticket, text: TextStream, arrival: float,
-                  watcher: asyncio.Future) -> AsyncIterator[Piece]:
-    """Token events as text pieces; events queued meanwhile are merged into one piece (a slow client gets fewer,
-    larger chunks instead of slowing anything else). Ends with a piece carrying the finish reason."""
-    metrics, last, finished, queue = state.metrics, arrival, False, ticket.events
-    try:
-        while True:
-            event = await queue.get()
-            ids, reason, error = event.ids, event.finish_reason, event.error
-            while not queue.empty():  # fell behind: merge what queued meanwhile (one chunk, every token counted)
-                event = queue.get_nowait()
-                ids = ids + event.ids
-                reason, error = reason or event.finish_reason, error or event.error
-            if error and reason != "aborted":
-                raise APIError(500, error, type="server_error")
-            now = time.perf_counter()
-            if ids:
-                name = "piecegraph_time_to_first_token_seconds" if last == arrival else None
-                if name:
-                    metrics.observe(name, now - arrival)
-                    if len(ids) > 1:
-                        metrics.observe("piecegraph_inter_token_latency_seconds", 0.0, len(ids) - 1)
-                else:
-                    metrics.observe("piecegraph_inter_token_latency_seconds", (now - last) / len(ids), len(ids))
-                last = now
-            delta, kept = text.feed(ids)
-            if text.stopped:
-                state.loop.abort(ticket)  # a stop id or string the engine does not know: free its pages now
-                reason = "stop"
-            elif reason:
-                delta += text.finish()
-                reason = FINISH.get(reason, reason)
-            if reason:
-                finished = True
-                metrics.inc("piecegraph_requests_total", finish_reason=reason)
-                metrics.inc("piecegraph_generation_tokens_total", len(text.ids))
-                metrics.observe("piecegraph_request_latency_seconds", now - arrival)
-            yield Piece(delta, kept, reason)
-            if reason:
-                return
-    finally:
-        watcher.cancel()
-        if not finished:
-            state.loop.abort(ticket)
-
-
-async def _collect(pieces: AsyncIterator[Piece], head: dict[str, Any], chat: bool, return_ids: bool,
+async def _collect(pieces: Pieces, head: dict[str, Any], chat: bool, return_ids: bool,
                    prompt: list[int]) -> dict[str, Any]:
     texts, ids, reason = [], [], None
-    async for piece in pieces:
-        texts.append(piece.text)
-        ids += piece.ids
-        reason = piece.finish_reason
+    try:
+        while reason is None:
+            piece = await pieces.next()
+            texts.append(piece.text)
+            ids += piece.ids
+            reason = piece.finish_reason
+    finally:
+        pieces.close()
     text = "".join(texts)
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
@@ -258,52 +214,3 @@ async def _collect(pieces: AsyncIterator[Piece], head: dict[str, Any], chat: boo
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
     kind = "chat.completion" if chat else "text_completion"
     return {**head, "object": kind, "choices": [choice], "usage": usage}
-
-
-class ChunkFormat:
-    """One request's SSE ``data:`` chunks, byte for byte what ``json.dumps`` of OpenAI's chunk dict gives, built
-    from a prefix and suffix made once per request plus the json-escaped text (a dict and ``json.dumps`` per token
-    cost several microseconds; at tens of thousands of tokens a second that is the HTTP process's budget)."""
-
-    def __init__(self, head: dict[str, Any], chat: bool, return_ids: bool) -> None:
-        self.kind = "chat.completion.chunk" if chat else "text_completion"
-        self.head, self.chat, self.return_ids = head, chat, return_ids
-        opened = json.dumps({**head, "object": self.kind})[:-1]
-        self.prefix = f'data: {opened}, "choices": [{{"index": 0, "logprobs": null, "finish_reason": '
-
-    def chunk(self, text: str | None, ids: list[int], reason: str | None, role: bool = False) -> str:
-        parts = [self.prefix, "null" if reason is None else _json_str(reason)]
-        if self.chat:
-            if role:
-                parts.append(', "delta": {"role": "assistant", "content": ' + _json_str(text or "") + "}")
-            else:
-                parts.append(', "delta": {"content": ' + _json_str(text) + "}" if text else ', "delta": {}')
-        else:
-            parts.append(', "text": ' + _json_str(text or ""))
-        if self.return_ids:
-            parts.append(', "token_ids": [' + ", ".join(map(str, ids)) + "]")
-        parts.append("}]}\n\n")
-        return "".join(parts)
-
-    def usage(self, prompt_len: int, completion: int) -> str:
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
-        return f"data: {json.dumps({**self.head, 'object': self.kind, 'choices': [], 'usage': usage})}\n\n"
-
-
-async def _sse(pieces: AsyncIterator[Piece], head: dict[str, Any], chat: bool, return_ids: bool, prompt_len: int,
-               include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one ``data:`` chunk per piece (chat opens with the assistant role), a usage chunk when
-    asked, then ``data: [DONE]``. An engine failure mid-stream is sent as an error event."""
-    fmt, completion = ChunkFormat(head, chat, return_ids), 0
-    if chat:
-        yield fmt.chunk(None, [], None, role=True)
-    try:
-        async for piece in pieces:
-            completion += len(piece.ids)
-            if piece.text or piece.finish_reason or (return_ids and piece.ids):
-                yield fmt.chunk(piece.text, piece.ids, piece.finish_reason)
-    except APIError as err:
-        yield f"data: {json.dumps(err.body())}\n\n"
-    if include_usage:
-        yield fmt.usage(prompt_len, completion)
-    yield "data: [DONE]\n\n"

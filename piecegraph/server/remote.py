@@ -19,11 +19,15 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
+import select
+import struct
 import threading
 import time
 import traceback
 from collections import Counter, deque
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -51,7 +55,7 @@ class ProcessEngineLoop:
         self.max_pending, self.metrics = max_pending or 0, metrics
         self.info: dict[str, Any] = {}
         self._tickets: dict[str, Ticket] = {}
-        self._lock = threading.Lock()  # guards _tickets, _pending and the command pipe
+        self._lock = threading.Lock()  # guards _tickets and _pending (the command pipe has its own)
         self._pending = self._running = 0
         self._ids = itertools.count()
         self._closing = self._eof = False
@@ -66,6 +70,7 @@ class ProcessEngineLoop:
         self._proc.start()
         self._cmd_recv.close()
         self._ev_send.close()
+        self._cmd = _CommandWriter(self._cmd_send)
         try:
             kind, payload = self._ev_recv.recv()
         except EOFError:
@@ -94,7 +99,7 @@ class ProcessEngineLoop:
                 raise QueueFull(f"{self._pending} requests are in flight, the most this server admits")
             self._pending += 1
             self._tickets[ticket.id] = ticket
-            self._cmd_send.send(("add", ticket.id, prompt, params))
+        self._cmd.send(("add", ticket.id, prompt, params), aloop)
         return ticket
 
     def abort(self, ticket: Ticket) -> None:
@@ -124,8 +129,10 @@ class ProcessEngineLoop:
                 aloop.remove_reader(self._ev_recv.fileno())
             self._aloop = None
             deadline = time.monotonic() + drain_s + 30
-            while not self._closed.is_set() and not self._eof and self._ev_recv.poll(deadline - time.monotonic()):
-                self._read_one()
+            while not self._closed.is_set() and not self._eof and time.monotonic() < deadline:
+                readable = self._cmd.flush_while_reading(self._ev_recv, deadline)
+                if readable and self._ev_recv.poll():
+                    self._read_one()
             self._fail_left()
         self._proc.join(timeout=10)
         if self._proc.is_alive():
@@ -137,11 +144,7 @@ class ProcessEngineLoop:
             log.warning("aborted at shutdown: %s", ", ".join(self.aborted_at_close))
 
     def _command(self, message: tuple) -> None:
-        with self._lock:
-            try:
-                self._cmd_send.send(message)
-            except (OSError, ValueError):  # the child is gone: the event pipe's EOF fails what was in flight
-                pass
+        self._cmd.send(message, self._aloop)
 
     def _on_readable(self) -> None:
         """The event pipe is readable (asyncio loop): take every whole message there is, each a step's events."""
@@ -201,6 +204,70 @@ class ProcessEngineLoop:
                     other.append((ticket, event))
         if other:
             post_events(other, self.abort)
+
+
+class _CommandWriter:
+    """The server's end of the command pipe, in ``multiprocessing.Connection``'s wire format (a 4-byte length,
+    then the pickle), written without ever blocking the asyncio loop. A blocking ``Connection.send`` deadlocked at
+    a few hundred concurrent submits: the pipe filled while the child's engine thread was itself blocked sending
+    events the (blocked) loop no longer read. What does not fit now is buffered and written when the pipe is
+    writable (``add_writer`` on ``aloop``, from any thread). Order is kept; a gone child drops the bytes (the
+    event pipe's EOF fails what was in flight)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.fd = conn, conn.fileno()
+        os.set_blocking(self.fd, False)  # the write end only: the child's read end is its own file description
+        self.buf = bytearray()
+        self.lock = threading.Lock()
+        self.armed: asyncio.AbstractEventLoop | None = None  # the loop whose writer callback flushes ``buf``
+
+    def send(self, message: tuple, aloop: asyncio.AbstractEventLoop | None) -> None:
+        data = ForkingPickler.dumps(message)
+        frame = struct.pack("!i", len(data)) + data
+        with self.lock:
+            if not self.buf:
+                frame = frame[self._write(frame):]
+                if not frame:
+                    return
+            self.buf += frame
+            if self.armed is None and aloop is not None and aloop.is_running():
+                self.armed = aloop
+                if _running_on(aloop):
+                    aloop.add_writer(self.fd, self._on_writable)
+                else:
+                    aloop.call_soon_threadsafe(aloop.add_writer, self.fd, self._on_writable)
+
+    def _write(self, data: bytes | bytearray) -> int:
+        try:
+            return os.write(self.fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError:  # the child is gone
+            return len(data)
+
+    def _on_writable(self) -> None:
+        with self.lock:
+            del self.buf[:self._write(self.buf)]
+            if not self.buf and self.armed is not None:
+                self.armed.remove_writer(self.fd)
+                self.armed = None
+
+    def flush_while_reading(self, events: Any, deadline: float) -> bool:
+        """Off the loop (it stopped): write what is buffered while waiting for ``events`` to be readable (the
+        child may be blocked sending them); ``True`` once it is, ``False`` at ``deadline``."""
+        with self.lock:
+            if self.armed is not None and not self.armed.is_closed():
+                self.armed.remove_writer(self.fd)
+            self.armed = None
+        while True:
+            with self.lock:
+                writers = [self.fd] if self.buf else []
+            readable, writable, _ = select.select([events.fileno()], writers, [], max(0.0, deadline - time.monotonic()))
+            if writable:
+                with self.lock:
+                    del self.buf[:self._write(self.buf)]
+            if readable or time.monotonic() >= deadline:
+                return bool(readable)
 
 
 def _running_on(aloop: asyncio.AbstractEventLoop) -> bool:

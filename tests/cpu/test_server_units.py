@@ -248,7 +248,7 @@ def _reference_chunk(head, chat, return_ids, text, ids, reason, role=False):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_chunk_format_equals_json_dumps_of_the_chunk(seed):
-    from piecegraph.server.app import ChunkFormat
+    from piecegraph.server.sse import ChunkFormat
 
     rng = random.Random(seed)
     head = {"id": f"cmpl-{seed}", "created": 1700000000 + seed, "model": rng.choice(["tiny", 'we"ird\\né'])}
@@ -264,45 +264,6 @@ def test_chunk_format_equals_json_dumps_of_the_chunk(seed):
                 ids = [rng.randrange(1000) for _ in range(rng.randint(0, 4))]
                 reason = rng.choice([None, "stop", "length", "abort"])
                 assert fmt.chunk(text, ids, reason) == _reference_chunk(head, chat, return_ids, text, ids, reason)
-
-
-def test_coalesced_deltas_keep_the_exact_text_token_ids_and_usage():
-    """A handler that fell behind finds several steps' events queued and sends them as one chunk: the text, the
-    ids (and so the client's count) and the usage still cover every token."""
-    import json
-    import time
-
-    from piecegraph.serve.http_bench import _count_ids
-    from piecegraph.server.app import ServerState, _pieces, _sse
-    from piecegraph.server.loop import Event, Ticket
-
-    class NoLoop:
-        def abort(self, ticket):
-            pass
-
-    text = 'héllo "数" world 😀!'
-    ids = list(text.encode())
-
-    async def main():
-        ticket = Ticket("cmpl-7", [1, 2], SamplingParams(), asyncio.Queue(), asyncio.get_running_loop())
-        for i in range(0, len(ids), 3):  # every step's event queued before the handler looks: one merged chunk
-            ticket.events.put_nowait(Event(ids[i:i + 3]))
-        ticket.events.put_nowait(Event([], finish_reason="length"))
-        state = ServerState(loop=NoLoop(), tokenizer=TOK, model_name="tiny", max_seq_len=128, vocab_size=256,
-                            metrics=Metrics())
-        watcher = asyncio.ensure_future(asyncio.sleep(30))
-        pieces = _pieces(state, ticket, TextStream(TOK), time.perf_counter(), watcher)
-        head = {"id": ticket.id, "created": 1, "model": "tiny"}
-        return state, [e async for e in _sse(pieces, head, False, True, 2, True)]
-
-    state, events = asyncio.run(main())
-    assert events[-1] == "data: [DONE]\n\n" and len(events) == 3  # the merged chunk, usage, [DONE]
-    chunk, usage = (json.loads(e[6:]) for e in events[:2])
-    assert chunk["choices"][0]["text"] == text and chunk["choices"][0]["token_ids"] == ids
-    assert chunk["choices"][0]["finish_reason"] == "length"
-    assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": len(ids), "total_tokens": 2 + len(ids)}
-    assert _count_ids(events[0].encode().rstrip()) == len(ids)
-    assert state.metrics.value("piecegraph_generation_tokens_total") == len(ids)
 
 
 def test_client_counts_token_ids_without_parsing_json():
