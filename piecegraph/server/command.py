@@ -46,6 +46,9 @@ def serve(
     engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="run the engine in its own "
                                         "process (default: the HTTP work then never takes its interpreter lock) "
                                         "or on a thread of the server process"),
+    cache: bool = typer.Option(True, "--cache/--no-cache", help="keep compiled code in piecegraph's artifact cache "
+                               "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
+                               "restart skips compiling; Inductor-compiled engines only"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -79,7 +82,8 @@ def serve(
                           max_num_batched_tokens=max_batched_tokens or (2048 if gpu else 256),
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_seq_len or None,
                           compiler=compiler or ("inductor" if gpu else "eager"),
-                          emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
+                          emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
+                          cache_dir=cache)  # a server restarts: its start is what the cache is for (True: default)
     factory = functools.partial(build_engine, name, device, dtype, hf, config)
     served = served_model_name or (name if name in PRESETS else Path(name).resolve().name)
     if engine_process:

@@ -275,3 +275,22 @@ def test_client_counts_token_ids_without_parsing_json():
     assert _count_ids(b'data: {"choices": [{"text": "a", "token_ids": null}]}') is None
     assert _count_ids(b'data: {"choices": [{"text": "a"}]}') is None
     assert _count_ids(b'data: {"choices": [{"prompt_token_ids": [1, 2], "text": "a"}]}') is None
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--no-cache"], False)])
+def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag, expected, monkeypatch):
+    from typer.testing import CliRunner
+
+    from piecegraph.cli import app
+    from piecegraph.server import run
+
+    seen = {}
+
+    def stop(factory, *args, **kwargs):  # the engine's config, as the engine process would get it
+        seen["config"] = factory.args[-1]
+        raise SystemExit(0)
+
+    monkeypatch.setattr(run, "build_process_state", stop)
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", *flag])
+    assert result.exit_code == 0, result.output
+    assert seen["config"].cache_dir is expected
