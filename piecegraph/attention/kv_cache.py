@@ -108,10 +108,10 @@ class KVCache:
 
     def capacity(self, seq: Hashable) -> int:
         """Tokens the pages of ``seq`` can hold (0 for a sequence without pages)."""
-        return len(self._tables.get(seq, ())) * self.page_size
+        return self.num_pages_held(seq) * self.page_size
 
     def num_pages_held(self, seq: Hashable) -> int:
-        """Pages ``seq`` holds (0 for a sequence without pages): ``capacity(seq) // page_size``, cheaper."""
+        """Pages ``seq`` holds (0 for a sequence without pages)."""
         return len(self._tables.get(seq, ()))
 
     def sequences(self) -> list[Hashable]:

@@ -17,8 +17,8 @@ import torch
 
 import piecegraph
 from piecegraph.bench.harness import sync
-from piecegraph.context import current_forward_context, forward_context
-from piecegraph.graphs.capture import time_ms
+from piecegraph.context import current_forward_context
+from piecegraph.graphs.capture import step_ms
 
 
 class AutoDispatch:
@@ -41,13 +41,8 @@ class AutoDispatch:
 
     def _choose(self, sizes: Sequence[int], make_inputs: Callable[[int], Any]) -> None:
         for n in sizes:
-            args, meta = make_inputs(n)
-
-            def step(_: int, module: Any, args: Any = args, meta: Any = meta) -> None:
-                with forward_context(meta):
-                    module(*args)
-
-            full, mixed = (time_ms(lambda i, m=m: step(i, m), warmup=1, repeats=5) for m in (self.full, self.mixed))
+            inputs = make_inputs(n)
+            full, mixed = step_ms(self.full, inputs), step_ms(self.mixed, inputs)
             self.choice[n] = {"pick": "piecewise" if mixed < full else "full", "full_ms": full, "piecewise_ms": mixed}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

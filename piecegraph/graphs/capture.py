@@ -20,6 +20,7 @@ from unittest import mock
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..context import forward_context
 from ..program import CaptureState, Phase
 
 log = logging.getLogger("piecegraph")
@@ -199,6 +200,20 @@ def time_ms(fn: Callable[[int], Any], warmup: int = 3, repeats: int = 20) -> flo
             fn(i)
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def step_ms(module: Callable[..., Any], inputs: tuple[tuple[Any, ...], Any], repeats: int = 5) -> float:
+    """Median milliseconds of ``module(*args)`` under ``meta``'s forward context, ``inputs = (args, meta)`` (what
+    ``GraphedModule.capture``'s ``make_inputs(n)`` returns), by :func:`time_ms` after one warm call: a step's
+    time with its graphs already captured, host launch gaps included. Used where a step's module is chosen by
+    measurement (the engine's auto decode choice, the bench's auto row)."""
+    args, meta = inputs
+
+    def step(_: int) -> None:
+        with forward_context(meta):
+            module(*args)
+
+    return time_ms(step, warmup=1, repeats=repeats)
 
 
 def graph_ms(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int = 5) -> float:

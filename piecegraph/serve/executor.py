@@ -27,7 +27,7 @@ import torch
 import piecegraph
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
-from piecegraph.graphs.capture import capture_batch, time_ms, timed_capture
+from piecegraph.graphs.capture import capture_batch, step_ms, timed_capture
 from piecegraph.models.generate import dummy_inputs
 from piecegraph.serve.config import EngineConfig
 
@@ -167,13 +167,6 @@ class Executor:
 
 
 def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, repeats: int = 5) -> float:
-    """Median milliseconds of one decode step of ``n`` pad rows through ``module`` (its graphs, already captured),
-    from CUDA events around each call after one warm call: the stream's time per step, gaps from host launch
-    work included (what a step costs when the host keeps up). Touches the scratch page only."""
-    (ids, positions), meta = dummy_inputs(model, cache, n)
-
-    def step(_: int) -> None:
-        with forward_context(meta):
-            module(ids, positions)
-
-    return time_ms(step, warmup=1, repeats=repeats)
+    """Median milliseconds of one decode step of ``n`` pad rows through ``module`` (its graphs, already captured):
+    :func:`~piecegraph.graphs.capture.step_ms` on a dummy decode step that touches the scratch page only."""
+    return step_ms(module, dummy_inputs(model, cache, n), repeats)

@@ -41,28 +41,23 @@ def build_inputs(rows: Sequence[Row], device: torch.device, previous_tokens: tor
     ends: list[int] = []
     sampled: list[Request] = []
     offset = 0
-    # Once per row every step (1000+ rows): Request properties and token_slice are inlined; a decode row whose
-    # token is in flight reads no host token at all.
+    # Once per row every step (1000+ rows): Request properties are inlined; a decode row whose token is in
+    # flight reads no host token at all.
     for request, cached, new in rows:
         stop = cached + new
-        prompt, output, inflight = request.prompt, request.output, request.inflight
-        p = len(prompt)
-        known = p + len(output)
+        known = len(request.prompt) + len(request.output)
         if stop > known:
             if stop != known + 1 or previous_index is None or request not in previous_index:
                 raise RuntimeError(f"request {request.id!r}: row [{cached}, {stop}) needs {stop - known} tokens "
                                    "the host does not know and the running step did not sample (engine bug)")
-            if cached < known:
-                flat += request.token_slice(cached, known)
+            flat += request.token_slice(cached, known)  # empty for a decode row: its token is in flight
             flat.append(0)  # placeholder, overwritten on the device
             dst.append(offset + new - 1)
             src.append(previous_index[request])
-        elif cached >= p:
-            flat += output[cached - p:stop - p]
         else:
             flat += request.token_slice(cached, stop)
         offset += new
-        if stop == known + inflight:  # Row.samples: the row ends at the request's last token
+        if stop == known + request.inflight:  # Row.samples: the row ends at the request's last token
             ends.append(offset - 1)
             sampled.append(request)
     every = len(ends) == offset

@@ -33,17 +33,11 @@ class TextStream:
         """Add output ids; returns ``(text delta to send, ids kept from these)``."""
         if self.stopped:
             return "", []
-        if not self.stop and not self.stop_ids:  # the common case, once per step per request: nothing to scan
-            kept = list(ids)
-            self.ids += kept
-            self._text_ids += kept
-            self._detokenize(final=False)
-            return self._take(), kept
         kept: list[int] = []
         # With stop strings, one id at a time: the id that completes one must be the last kept.
         chunks = [[i] for i in ids] if self.stop else [list(ids)]
         for chunk in chunks:
-            for n, i in enumerate(chunk):
+            for n, i in enumerate(chunk if self.stop_ids else ()):  # no stop ids (the common case): no scan
                 if i in self.stop_ids:
                     chunk, self.stopped = chunk[:n + 1], True
                     break
