@@ -71,12 +71,14 @@ class EngineLoop:
     each iteration's ``(ticket, event)`` pairs go (default: the tickets' asyncio queues)."""
 
     def __init__(self, engine: Engine, *, max_pending: int, metrics: Any = None, name: str = "engine-loop",
-                 sink: Callable[[list[tuple[Ticket, Event]]], None] | None = None) -> None:
+                 sink: Callable[[list[tuple[Ticket, Event]]], None] | None = None, inbox: Any = None) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending!r} must be >= 1")
         self.engine, self.max_pending, self.metrics = engine, max_pending, metrics
         self._sink = sink or self._to_asyncio
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Commands for the engine thread: put / get / get_nowait as queue.SimpleQueue's (the engine process passes
+        # one that reads its command pipe, remote.py)
+        self._inbox = inbox if inbox is not None else queue.SimpleQueue()
         self._live: dict[str, Ticket] = {}  # engine thread only
         self._lock = threading.Lock()
         self._pending = 0  # admitted and not yet retired (guarded by _lock)
@@ -84,7 +86,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._closing = threading.Event()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
         self.finished_at_close: list[str] = []
         self.aborted_at_close: list[str] = []
         self._steps_seen = 0
@@ -156,8 +158,15 @@ class EngineLoop:
         if self.aborted_at_close:
             log.warning("aborted at shutdown: %s", ", ".join(self.aborted_at_close))
 
+    @property
+    def stopped(self) -> bool:
+        """Closing, and nothing left to run: the loop stops at its next command."""
+        return self._stopped.is_set()
+
     # -- engine thread ----------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop itself, on the calling thread, until a ``stop`` command (:meth:`start` runs it on its own
+        thread; the engine process runs it on its main thread)."""
         torch.set_num_threads(self._torch_threads)
         device = getattr(self.engine, "device", None)
         if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:

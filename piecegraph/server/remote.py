@@ -298,8 +298,9 @@ class _PipeInbox:
     is still in the pipe is handed over, so requests that raced the close are aborted as in-process); EOF (the
     server process died) stops at once."""
 
-    def __init__(self, conn: Any, loop: Any) -> None:
-        self.conn, self.loop, self.local = conn, loop, deque()
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.local = conn, deque()
+        self.loop: Any = None  # the EngineLoop reading this inbox (set once it is built)
         self.deadline: float | None = None
         self.stopping = False
 
@@ -314,7 +315,7 @@ class _PipeInbox:
             return self.local.popleft()
         if self.deadline is not None and not self.stopping:
             now = time.monotonic()
-            if self.loop._stopped.is_set() or now >= self.deadline:
+            if self.loop.stopped or now >= self.deadline:
                 self.stopping = True
                 return ("stop", None)
             timeout = min(timeout, self.deadline - now)
@@ -328,16 +329,15 @@ class _PipeInbox:
             self.deadline, self.stopping = 0.0, True
             return ("stop", None)
         kind = message[0]
-        if kind == "add":
-            with self.loop._lock:
-                self.loop._pending += 1
-            return ("add", Ticket(message[1], message[2], message[3]))
-        if kind == "abort":
-            return ("abort", message[1])
-        self.loop.begin_close()  # begin_close, or close (with its drain)
-        if kind == "close":
-            self.deadline = time.monotonic() + message[1]
-        return ("wake", None)
+        if kind == "add":  # through the loop's own methods, which put their command here
+            self.loop.enqueue(Ticket(message[1], message[2], message[3]))
+        elif kind == "abort":
+            self.loop.abort_id(message[1])
+        else:
+            self.loop.begin_close()  # begin_close, or close (with its drain)
+            if kind == "close":
+                self.deadline = time.monotonic() + message[1]
+        return self.local.popleft() if self.local else ("wake", None)
 
 
 def _child(factory: Callable[[], Any], commands: Any, events: Any, threads: int) -> None:
@@ -361,11 +361,11 @@ def _child(factory: Callable[[], Any], commands: Any, events: Any, threads: int)
         payload = [(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch]
         events.send(("events", payload, snapshot, kinds.take()))
 
-    loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink)  # the parent admits
-    loop._inbox = _PipeInbox(commands, loop)
+    inbox = _PipeInbox(commands)
+    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink, inbox=inbox)  # parent admits
     config = engine.config
     events.send(("ready", {"max_seq_len": config.max_seq_len or engine.model.config.max_seq_len,
                            "vocab_size": engine.model.config.vocab_size, "max_num_seqs": config.max_num_seqs,
                            "num_pages": cache.num_pages, "setup_s": engine.setup_s}))
-    loop._run()  # on this thread: it reads the command pipe itself (see _PipeInbox)
+    loop.run()  # on this thread: it reads the command pipe itself (see _PipeInbox)
     events.send(("closed", loop.finished_at_close, loop.aborted_at_close))
