@@ -59,7 +59,7 @@ def serve(
                                  param_hint="serve") from None
     from piecegraph.serve.config import ENGINE_MODES, EngineConfig
     from piecegraph.server.app import create_app
-    from piecegraph.server.run import build_process_state, build_state, draining_server, uvicorn_config
+    from piecegraph.server.run import build_process_state, build_state, draining_server, http_stack, uvicorn_config
     from piecegraph.server.tokenizer import load_tokenizer
 
     if model_arg and model and model_arg != model:
@@ -101,8 +101,11 @@ def serve(
                   f"({'own process' if engine_process else 'a thread'}), up to {config.max_num_seqs} running / "
                   f"{state.loop.max_pending} admitted requests of up to {state.max_seq_len} tokens; engine ready in "
                   f"{setup_s:.1f} s")
-    console.print(f"OpenAI-compatible API at http://{host}:{port}/v1 (model {served!r}); Ctrl-C stops it, "
-                  f"letting requests in flight finish for up to {drain:g} s")
+    stack, hint = http_stack()
+    console.print(f"OpenAI-compatible API at http://{host}:{port}/v1 (model {served!r}, {stack}); Ctrl-C stops "
+                  f"it, letting requests in flight finish for up to {drain:g} s")
+    if hint:
+        console.print(f"[yellow]note[/]: {hint}")
     draining_server(state, uvicorn_config(create_app(state), host=host, port=port, drain_s=drain,
                                           log_level=log_level)).run()
 

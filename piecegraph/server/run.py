@@ -55,6 +55,20 @@ def uvicorn_config(app: Any, *, host: str, port: int, drain_s: float, log_level:
                           access_log=False)
 
 
+def http_stack() -> tuple[str, str | None]:
+    """What uvicorn serves with here (``"uvloop + httptools"`` at best) and, when its C parts are missing, a hint:
+    its pure-Python loop and HTTP parser cost several times more per streamed token (a GPU engine's 30-40k
+    tokens/s need the C ones)."""
+    import importlib.util
+
+    missing = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is None]
+    loop = "asyncio" if "uvloop" in missing else "uvloop"
+    parser = "h11" if "httptools" in missing else "httptools"
+    hint = (f"{' and '.join(missing)} not installed: pip install 'piecegraph[server]' (uvicorn[standard]) for "
+            "the fast event loop and HTTP parser") if missing else None
+    return f"{loop} + {parser}", hint
+
+
 def draining_server(state: Any, config: Any) -> Any:
     """A ``uvicorn.Server`` that tells the engine loop when shutdown starts (new requests get 503, requests that
     finish while connections drain are logged), before uvicorn waits for the open connections."""

@@ -16,6 +16,7 @@ from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
+from .same_pieces import piece_key
 from .split import split_graph
 from .static import compile_static, returns_one_value
 
@@ -163,17 +164,28 @@ def _compile_pieces(
     compiled: dict[str, Callable[..., Any]] = {}
     static: dict[str, dict[int, Callable[..., Any]]] = {}
     seconds = [0.0]
+    done: dict[tuple, str] = {}  # piece_key -> the first piece compiled for it (see trace/same_pieces.py)
 
     class _Compiler(torch.fx.Interpreter):
         def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
             if target in wanted:
-                log.debug("piecegraph: compiling %s", target)
                 sub = getattr(split_gm, target)
+                key = piece_key(sub, list(args))
+                twin = done.get(key) if key is not None else None
+                if twin is not None:
+                    log.debug("piecegraph: %s is the same program as %s: compiled once", target, twin)
+                    compiled[target] = compiled[twin]
+                    if twin in static:
+                        static[target] = static[twin]
+                    return super().call_module(target, args, kwargs)
+                log.debug("piecegraph: compiling %s", target)
                 single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
                 compiled[target] = _compile_piece(sub, list(args), config.compiler)
                 if sizes:
                     static[target], took = compile_static(sub, list(args), token_symbols, sizes, target, single)
                     seconds[0] += took
+                if key is not None:
+                    done[key] = target
             return super().call_module(target, args, kwargs)
 
     # Under the Python dispatcher, as Dynamo and AOTAutograd run graphs on fakes: without it a C++ composite

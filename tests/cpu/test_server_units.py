@@ -294,3 +294,18 @@ def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag
     result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", *flag])
     assert result.exit_code == 0, result.output
     assert seen["config"].cache_dir is expected
+
+
+def test_http_stack_names_the_missing_c_parts(monkeypatch):
+    """`piecegraph serve` says when uvicorn would run on its pure-Python loop or parser, and how to get the C ones."""
+    import importlib.util
+
+    from piecegraph.server.run import http_stack
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "httptools" else real(name, *a))
+    stack, hint = http_stack()
+    assert stack.endswith("+ h11") and "httptools" in hint and "uvloop" not in hint and "[server]" in hint
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    stack, hint = http_stack()
+    assert stack == "asyncio + h11" and "uvloop and httptools" in hint
