@@ -41,6 +41,7 @@ class Case:
     floor_bytes: int
     seqs: int = 1
     reference: torch.Tensor | None = field(default=None, repr=False)
+    float_reference: torch.Tensor | None = field(default=None, repr=False)  # the unquantized model's (--quant)
 
     def args(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids[i % len(self.ids)], self.positions

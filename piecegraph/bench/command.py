@@ -125,8 +125,11 @@ def bench(
         if reports:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
+    # A quantized model is also judged against its weights unquantized (seeded: the same random weights); not
+    # kept here, so the sweep frees it after its references
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
-                       on_mode=save_partial, attention=backend, keep_going=run.solo)
+                       on_mode=save_partial, attention=backend, keep_going=run.solo,
+                       float_model=load_model(model, device, dtype, hf=hf) if quant != "bf16" and run.solo else None)
     profiled = _run_profile(net, spec, context, backend, reports) if spec else None
     if reports:
         _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)

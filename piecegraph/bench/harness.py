@@ -33,6 +33,9 @@ class Row:
     setup_s: float | None = None  # the mode's compile + capture (all bench sizes), the same on each of its rows
     pool_mib: float | None = None  # CUDA graph pool of the mode after every size was captured
     rel_err: float | None = None  # ||out - eager|| / ||eager|| on the same inputs and cache
+    # --quant fp8: ||out - R|| / ||R||, R the unquantized model's eager output (the same weights before
+    # quantization): how far each mode is from what the model would compute unquantized, eager FP8 included
+    rel_err_float: float | None = None
     seqs: int | None = None  # prefill: sequences packed into the batch
     skipped: str | None = None
     note: str | None = None
@@ -40,9 +43,10 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         key = "batch" if self.phase == "decode" else "tokens"
         out: dict[str, Any] = {"mode": self.mode, "phase": self.phase, key: self.size}
-        for name in ("ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err", "seqs", "skipped", "note"):
+        for name in ("ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err", "rel_err_float", "seqs",
+                     "skipped", "note"):
             value = getattr(self, name)
-            if name in ("seqs", "skipped", "note") and value is None:
+            if name in ("rel_err_float", "seqs", "skipped", "note") and value is None:
                 continue  # optional keys appear only when they say something
             out[name] = value
         return out

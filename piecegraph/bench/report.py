@@ -9,7 +9,8 @@ JSON layout (``benchmarks/README.md`` documents it for readers of committed resu
              "inductor_graph_partition", ...},
      "modes": {"<mode>": {"setup_s", "capture_s", "pool_mib", "pieces", "sizes"} | {"skipped": reason}},
      "rows": [{"mode", "phase", "batch" | "tokens", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib",
-               "rel_err", "seqs"?, "skipped"?, "note"?}],
+               "rel_err", "rel_err_float"? (--quant: against the unquantized weights), "seqs"?, "skipped"?,
+               "note"?}],
      "attention_op_us": {"decode_1", "prefill_512", "failed"?: {case: reason}},
      "profile": {...}?}
 """
@@ -39,7 +40,9 @@ def _eager_ms(rows: Sequence[Row]) -> dict[tuple[str, int], float]:
 def rich_table(rows: Sequence[Row], title: str) -> Table:
     """Every row, grouped by phase and size, with the speed-up over eager and the skip reasons."""
     table = Table(title=title)
-    for col in ("phase", "size", "mode", "ms", "tok/s", "x eager", "HBM floor", "rel err", "setup s", "pool MiB"):
+    floats = any(r.rel_err_float is not None for r in rows)  # a quantized model: also against its float weights
+    for col in ("phase", "size", "mode", "ms", "tok/s", "x eager", "HBM floor", "rel err",
+                *(("vs unquantized",) if floats else ()), "setup s", "pool MiB"):
         table.add_column(col, justify="left" if col in ("phase", "mode") else "right")
     table.add_column("note", justify="left", overflow="fold", max_width=48)
     eager = _eager_ms(rows)
@@ -47,7 +50,8 @@ def rich_table(rows: Sequence[Row], title: str) -> Table:
         base = eager.get((r.phase, r.size))
         ratio = f"{base / r.ms:.1f}" if base and r.ms else "-"
         table.add_row(r.phase, str(r.size), r.mode, _fmt(r.ms, ".3f"), _fmt(r.tok_s, ",.0f"), ratio,
-                      _fmt(r.hbm_frac, ".1%"), _fmt(r.rel_err, ".1e"), _fmt(r.setup_s, ".1f"),
+                      _fmt(r.hbm_frac, ".1%"), _fmt(r.rel_err, ".1e"),
+                      *((_fmt(r.rel_err_float, ".1e"),) if floats else ()), _fmt(r.setup_s, ".1f"),
                       _fmt(r.pool_mib, ".0f"), r.skipped or r.note or "")
     return table
 

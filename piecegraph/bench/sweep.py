@@ -40,11 +40,15 @@ def _reason(exc: BaseException, log: Log | None = None) -> str:
     return f"failed: {type(exc).__name__}: {text}"[:300]
 
 
-def _references(model: torch.nn.Module, cases: Sequence[Case]) -> None:
-    """Eager float32 outputs of every case's first input set: what ``rel_err`` compares against."""
+def _references(model: torch.nn.Module, cases: Sequence[Case], float_model: torch.nn.Module | None = None) -> None:
+    """Eager float32 outputs of every case's first input set: what ``rel_err`` compares against; with
+    ``float_model`` (the same weights unquantized) its outputs too, for ``rel_err_float``. Each run writes its own
+    keys and values into the case's slots before attending to them, so the two models' runs do not mix."""
     with torch.no_grad():
         for case in cases:
             with forward_context(case.meta):
+                if float_model is not None:
+                    case.float_reference = float_model(*case.args(0)).float()
                 case.reference = model(*case.args(0)).float()
 
 
@@ -62,7 +66,10 @@ def _time_case(prep: bench_modes.Prepared, case: Case, repeats: int, bandwidth_g
             fn(*case.args(0))
         sync()
         warm_s = time.perf_counter() - start
-        row.rel_err = rel_err(fn(*case.args(0)), case.reference)
+        out = fn(*case.args(0))
+        row.rel_err = rel_err(out, case.reference)
+        if case.float_reference is not None:
+            row.rel_err_float = rel_err(out, case.float_reference)
         row.ms = time_ms(lambda i: fn(*case.args(i)), repeats=repeats)
     row.tok_s = case.size / row.ms * 1e3
     floor_ms = case.floor_bytes / (bandwidth_gbs * 1e9) * 1e3
@@ -138,14 +145,15 @@ def _describe(row: Row) -> str:
     key = "batch" if row.phase == "decode" else "tokens"
     if row.skipped:
         return f"{row.phase:7s} {key}={row.size:<5d} {row.mode:16s} skipped: {row.skipped}"
+    versus_float = "" if row.rel_err_float is None else f"  vs unquantized {row.rel_err_float:.1e}"
     return (f"{row.phase:7s} {key}={row.size:<5d} {row.mode:16s} {row.ms:9.3f} ms  "
-            f"{row.hbm_frac:6.1%} of HBM floor  rel_err={row.rel_err:.1e}")
+            f"{row.hbm_frac:6.1%} of HBM floor  rel_err={row.rel_err:.1e}{versus_float}")
 
 
 def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[int], prefill: Sequence[int],
               context: int = 256, repeats: int = 20, log: Log = print,
               on_mode: Callable[[SweepResult], None] | None = None, attention: str = "auto",
-              keep_going: bool = True) -> SweepResult:
+              keep_going: bool = True, float_model: torch.nn.Module | None = None) -> SweepResult:
     """Time ``modes`` on decode steps (``batches`` sequences at ``context`` cached tokens) and packed prefills
     (``prefill`` total tokens each), all against the same eager references and paged caches, whose attention
     backend is ``attention`` (``auto | torch | flashinfer``; the resolved name is ``result.attention_backend``).
@@ -155,6 +163,8 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     ``on_mode(result)`` runs after each mode with the rows so far (write partial results: a sweep cut short by a
     time limit keeps the modes it finished). ``keep_going=False`` raises at the first failure instead of
     skipping: a tensor-parallel rank must, since its peers would pair their collectives with its next mode's.
+    ``float_model``: the same weights unquantized (``--quant fp8``), run eagerly once per case for each row's
+    ``rel_err_float``; dropped after the references, so pass one the caller does not keep.
     """
     if not batches or min(batches) < 1 or (prefill and min(prefill) < 1):
         raise ValueError(f"batches {list(batches)} and prefill {list(prefill)} must be positive (batches non-empty)")
@@ -164,7 +174,8 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     cache = decode_cache(model, batches, context, attention)
     cases = decode_cases(model, cache, batches, context) + prefill_cases(model, prefill, attention)
     log(f"attention backend {cache.backend.name}: {cache!r}")
-    _references(model, cases)
+    _references(model, cases, float_model)
+    float_model = None  # noqa: F841  (freed before the modes are built: the A2.7B shape is 28.6 GB in bf16)
     result = SweepResult([], bandwidth_gbs=bandwidth, attention_backend=cache.backend.name)
     for name in modes:
         rows, facts = _run_mode(name, model, cases, capture_inputs(model, cache), repeats, bandwidth, log,

@@ -94,6 +94,25 @@ def test_moe_preset_in_fp8_is_benched_and_the_json_records_the_quantization(tmp_
     assert json.loads(out.read_text())["env"]["quant"] == "fp8" and "tiny-moe float32 fp8" in result.output
     kinds = {type(m).__name__ for m in loaded[0].modules()}
     assert {"MoEDecoder", "FP8Experts", "FP8Linear"} <= kinds and "Experts" not in kinds
+    # ... and judged against the same weights unquantized: a second load, float (the same seeded weights)
+    assert len(loaded) == 2 and "FP8Experts" not in {type(m).__name__ for m in loaded[1].modules()}
+    fp8_expert = next(m for m in loaded[0].modules() if type(m).__name__ == "FP8Experts")
+    float_expert = next(m for m in loaded[1].modules() if type(m).__name__ == "Experts")
+    assert fp8_expert.num_experts == float_expert.gate_up_proj.shape[0]
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["rel_err"] == 0 and 0 < r["rel_err_float"] < 1 for r in rows)  # eager FP8 vs its float weights
+
+
+def test_rel_err_float_is_the_distance_to_the_float_models_output(tiny):
+    """A float model that is the model itself gives 0; a different one, its own relative distance."""
+    other = Decoder.random(TINY, seed=1).eval()
+    rows = {}
+    for name, float_model in (("same", tiny), ("other", other)):
+        result = sweep.run_sweep(tiny, ["eager"], [2], [8], context=4, repeats=1, log=lambda _: None,
+                                 float_model=float_model)
+        rows[name] = result.rows
+    assert all(r.rel_err_float == 0 for r in rows["same"])
+    assert all(r.rel_err_float > 0.1 for r in rows["other"])  # another model's output: far off
     bad = runner.invoke(app, ["bench", "--device", "cpu", "--quant", "int4"])
     assert bad.exit_code != 0 and "--quant" in bad.output
 
