@@ -176,6 +176,8 @@ class FlatRunner:
             "mode": self.config.mode if self.graphs else "none",
             "sizes": sorted(self.capture_s),
             "pieces": self.program.num_pieces,
+            # pieces with code of their own: the same program twice is compiled once (trace/same_pieces.py)
+            "compiled_pieces": len({id(getattr(p, "fn", p)) for p in self.program.pieces}),
             "split_ops": sum(1 for info in self.program.infos if info.is_split),
             "capture_s": dict(sorted(self.capture_s.items())),
             "pool_bytes": pool,

@@ -86,6 +86,7 @@ def _mode_facts(prep: bench_modes.Prepared, setup_s: float) -> dict[str, Any]:
         "capture_s": round(sum(stats.get("capture_s", {}).values()), 3) if "capture_s" in stats else None,
         "pool_mib": None if pool is None else round(pool / 2**20, 1),
         "pieces": stats.get("pieces"),
+        "compiled_pieces": stats.get("compiled_pieces"),
         "sizes": stats.get("sizes"),
         # Whether the timed calls replayed graphs: a size dropped or a call without a graph would show here.
         **{key: stats[key] for key in ("replays", "fallbacks", "moved_inputs", "dropped_sizes") if key in stats},

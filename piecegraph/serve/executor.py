@@ -134,6 +134,7 @@ class Executor:
             stats = slot.module.stats()
             out["modules"][slot.kind] = {
                 "sizes": list(stats["sizes"]), "graph_mode": stats["mode"], "pieces": stats.get("pieces"),
+                "compiled_pieces": stats.get("compiled_pieces"),
                 "capture_s": round(sum(stats["capture_s"].values()), 3),  # warm-up + capture of every size
                 "setup_s": round(sum(slot.wall_s.values()), 3),  # the same, plus prewarm, trace and compile
                 "startup": stats.get("startup"), "graph_memory": stats.get("graph_memory"),
