@@ -50,13 +50,12 @@ def _case(backend: str, seqs, cached: int) -> dict[str, float]:
         result["op"] = _us(lambda: op(q, k, v, out, 0))
         result["backend_forward"] = _us(lambda: cache.backend.forward(qn, kn, vn, on, 0, meta))
         if backend == "flashinfer":
-            import flashinfer
 
             plan = meta.plan
             kv = (cache.k[0], cache.v[0])
-            result["append_paged_kv_cache"] = _us(lambda: flashinfer.append_paged_kv_cache(
-                kn, vn, meta.batch_indices, meta.append_positions, kv, plan.kv_indices, plan.kv_indptr,
-                plan.kv_last_page_len, kv_layout="NHD"))
+            flat = (cache.k[0].view(-1, *kn.shape[1:]), cache.v[0].view(-1, *vn.shape[1:]))
+            result["kv_write_index_copy"] = _us(lambda: (flat[0].index_copy_(0, meta.slot_mapping, kn),
+                                                         flat[1].index_copy_(0, meta.slot_mapping, vn)))
             result["wrapper_run"] = _us(lambda: plan.slot.wrapper.run(qn, kv, out=on))
         result["metadata_build_and_plan"] = _us(lambda: AttentionMetadata.for_batch(cache, seqs), calls=50)
     return result

@@ -92,8 +92,6 @@ class AttentionMetadata:
     page_table: torch.Tensor | None = None
     kv_lens: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    batch_indices: torch.Tensor | None = None
-    append_positions: torch.Tensor | None = None
     plan: Any = field(default=None, metadata=_PER_STEP)
     layout: BatchLayout | None = field(default=None, metadata=_PER_STEP)
 

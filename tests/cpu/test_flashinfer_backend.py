@@ -177,9 +177,9 @@ def test_a_full_graph_step_never_plans_the_eager_wrapper_nor_builds_a_page_table
     _, fi_cache = _caches(seed=7)
     fi_cache.reserve([(0, 9), (1, 5)])
     meta = AttentionMetadata.for_decode(fi_cache, [(0, 8), (1, 4)])
-    assert meta.is_decode and meta.page_table is None and meta.batch_indices is None
+    assert meta.is_decode and meta.page_table is None
     view = meta.for_cuda_graph(4)
-    assert view.plan.graph and view.batch_indices.shape == (4,)
+    assert view.plan.graph and view.slot_mapping.shape == (4,) and view.slot_mapping[2:].eq(0).all()  # pad rows
     assert meta.plan.kv_indptr is None and fi_cache.backend._decode.holds is None
 
 

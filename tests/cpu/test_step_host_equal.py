@@ -68,18 +68,15 @@ def _ref_tokens(cache, seqs):
 
 def _ref_page_layout(cache, seqs):
     ps = cache.page_size
-    qo, kv_indptr, indices, last, batch, positions = [0], [0], [], [], [], []
-    for b, (seq, cached, new) in enumerate(seqs):
+    qo, kv_indptr, indices, last = [0], [0], [], []
+    for seq, cached, new in seqs:
         kv = cached + new
         used = -(-kv // ps)
         indices += cache.page_table(seq)[:used]
         qo.append(qo[-1] + new)
         kv_indptr.append(kv_indptr[-1] + used)
         last.append(kv - (used - 1) * ps)
-        batch += [b] * new
-        positions += range(kv - new, kv)
-    return {"qo_indptr": qo, "kv_indptr": kv_indptr, "kv_last_page_len": last, "kv_indices": indices,
-            "batch_indices": batch, "append_positions": positions}
+    return {"qo_indptr": qo, "kv_indptr": kv_indptr, "kv_last_page_len": last, "kv_indices": indices}
 
 
 def _ref_inputs(rows, previous_index):
@@ -151,17 +148,17 @@ def test_metadata_equals_the_per_row_algorithm(batch, device_table, reads_page_t
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=_batches(), device_table=st.booleans(), append_only=st.booleans())
-def test_flashinfer_page_layout_equals_the_per_row_algorithm(batch, device_table, append_only):
+@given(batch=_batches(), device_table=st.booleans(), indices_only=st.booleans())
+def test_flashinfer_page_layout_equals_the_per_row_algorithm(batch, device_table, indices_only):
     page_size, seqs, seed = batch
     cache, meta = _step(page_size, seqs, seed, device_table, False)
     table = cache.device_table() if device_table else None
-    dev, cpu = _page_layout(meta.layout, cache.device, append_only=append_only, table=table)
+    dev, cpu = _page_layout(meta.layout, cache.device, indices_only=indices_only, table=table)
     want = _ref_page_layout(cache, seqs)
     for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
         assert cpu[name].dtype == torch.int32 and cpu[name].tolist() == want[name], name
-    names = ["kv_indices", "batch_indices", "append_positions"]
-    names += [] if append_only else ["kv_indptr", "kv_last_page_len"]
+    names = ["kv_indices"]
+    names += [] if indices_only else ["kv_indptr", "kv_last_page_len"]
     assert sorted(dev) == sorted(names)
     for name in names:
         assert dev[name].dtype == torch.int32 and dev[name].tolist() == want[name], name

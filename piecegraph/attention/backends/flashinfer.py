@@ -1,15 +1,17 @@
 """The ``flashinfer`` attention backend: FlashInfer's paged kernels behind the one split op (CUDA only).
 
 ``plan`` (host, once per step; lazily, at the step's first attention call, so a step replaying a full graph
-skips it) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout
-(``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) plus, for the cache write, each new token's
-batch index and position; the device half goes in one packed copy. ``kv_indices`` is gathered on the device
-from the cache's persistent page table (:meth:`KVCache.device_table`) by each row's slot, so a step sends O(rows)
+skips it) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout (``qo_indptr``, ``kv_indptr``,
+``kv_indices``, ``kv_last_page_len``); the device half goes in one packed copy. ``kv_indices`` is gathered on the
+device from the cache's persistent page table (:meth:`KVCache.device_table`) by each row's slot, so a step sends O(rows)
 ints whatever its context; ``plan()``'s host arguments (indptr, last page lengths) go in pinned memory, since
 ``plan()`` copies them to the device and a copy from pageable memory waits for the stream. A pure decode step plans a
 ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores); anything else (prefill, mixed, chunked-prefill
 continuation) a causal ``BatchPrefillWithPagedKVCacheWrapper`` (FlashInfer aligns the causal mask bottom-right,
-which is where a step's new tokens sit). ``forward`` is ``append_paged_kv_cache`` then ``wrapper.run``.
+which is where a step's new tokens sit). ``forward`` writes the new keys and values with one ``index_copy_``
+each at the step's flat slots (``meta.slot_mapping``: the page and offset ``append_paged_kv_cache`` would derive
+from the CSR layout; ~5 us of host per copy against its wrapper's ~26 us, in every layer of an eager step), then
+``wrapper.run``.
 ``for_cuda_graph`` pads a decode step to ``size`` rows on a per-size CUDA-graph decode wrapper.
 
 Measured in this project (FlashInfer 0.5.3, H200, 14 q / 2 kv heads, head_dim 64): ragged prefill ``run()``
@@ -33,7 +35,8 @@ Verified in the 0.5.3 source (decode.py, prefill.py, page.py, csrc/batch_prefill
   pointers. :meth:`FlashInferBackend._plan_graph` still checks that ``plan_info`` never changes for a size.
 - ``append_paged_kv_cache(k, v, batch_indices, positions, (k_cache, v_cache), kv_indices, kv_indptr,
   kv_last_page_len, kv_layout)`` writes token i at page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot
-  ``pos % page_size`` (``b, pos = batch_indices[i], positions[i]``); it needs only k/v's last dim contiguous.
+  ``pos % page_size`` (``b, pos = batch_indices[i], positions[i]``): the slot ``slot_mapping`` already holds
+  (``page * page_size + pos % page_size``, pad rows on the scratch page), so a plain ``index_copy_`` does it.
 - ``plan()`` reads ``qo_indptr``, ``kv_indptr``, ``last_page_len`` on the host (``.to("cpu")``: a sync if they
   were on the GPU), so those go in as CPU tensors; ``kv_indices`` is only moved or copied device-side, so it
   goes in already on the device (a CPU one would be a blocking copy in CUDA-graph mode).
@@ -66,7 +69,6 @@ from piecegraph.attention.metadata import (
     BatchLayout,
     host_tensor,
     to_device,
-    token_positions_tensor,
 )
 from piecegraph.attention.pages import SCRATCH_PAGE, pages_for
 from piecegraph.attention.types import CacheShape, PagedCache
@@ -152,7 +154,6 @@ class FlashInferBackend:
                                "FlashInfer plans on the host first; run the step once before capturing it")
         cache, decode = meta.cache, meta.is_decode
         dev, cpu = _page_layout(plan.layout, cache.device, table=_device_table(cache))
-        meta.batch_indices, meta.append_positions = dev["batch_indices"], dev["append_positions"]
         head = () if decode else (cpu["qo_indptr"],)
         plan.args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         plan.kwargs = self._options(cache) if decode else {**self._options(cache), "causal": True}
@@ -211,14 +212,12 @@ class FlashInferBackend:
             kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
             page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
         )
-        dev, cpu = _page_layout(padded, cache.device, append_only=True, table=_device_table(cache))
+        dev, cpu = _page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
         args = (cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         self._plan_graph(graph.plan.slot, size, args, self._options(cache))
         view = meta.replace(
             positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
-            kv_lens=_pad_rows(meta.kv_lens, pad),
-            batch_indices=dev["batch_indices"], append_positions=dev["append_positions"], mask=None,
-            plan=graph.plan,
+            kv_lens=_pad_rows(meta.kv_lens, pad), mask=None, plan=graph.plan,
         )
         graph.last = (weakref.ref(meta), view)
         return view
@@ -272,10 +271,9 @@ class FlashInferBackend:
         elif not plan.graph and plan.slot.holds is not plan:
             self._replan(plan)
         kc, vc = cache.k[layer], cache.v[layer]
-        self._fi.append_paged_kv_cache(
-            k.to(kc.dtype).contiguous(), v.to(vc.dtype).contiguous(), meta.batch_indices, meta.append_positions,
-            (kc, vc), plan.kv_indices, plan.kv_indptr, plan.kv_last_page_len, kv_layout="NHD",
-        )
+        heads_kv, dim = cache.num_kv_heads, cache.head_dim
+        kc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         plan.slot.wrapper.run(q.contiguous(), (kc, vc), out=target)
         if target is not out:
@@ -295,14 +293,15 @@ def _layout(meta: AttentionMetadata) -> BatchLayout:
     return meta.layout
 
 
-def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = False,
+def _page_layout(layout: BatchLayout, device: torch.device, indices_only: bool = False,
                  table: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """FlashInfer's page layout of ``layout``: int32 device tensors (the cache write's, in one packed copy)
-    and int32 CPU tensors (what ``plan()`` reads on the host). ``append_only``: no device indptr/last_page_len
-    (a graph's live in its wrapper's fixed buffers). ``table``: the cache's device page table; with it (and
-    ``layout.slots``) ``kv_indices`` is gathered on the device, so the host sends O(rows) ints, not every page."""
+    """FlashInfer's page layout of ``layout``: int32 device tensors (``kv_indices``, ``kv_indptr``,
+    ``kv_last_page_len``, in one packed copy) and int32 CPU tensors (what ``plan()`` reads on the host).
+    ``indices_only``: no device indptr/last_page_len (a graph's live in its wrapper's fixed buffers).
+    ``table``: the cache's device page table; with it (and ``layout.slots``) ``kv_indices`` is gathered on the
+    device, so the host sends O(rows) ints, not every page."""
     if layout.num_tokens <= SMALL_STEP:  # a few rows: a Python loop costs less than the tensor ops below
-        return _page_layout_rows(layout, device, append_only, table)
+        return _page_layout_rows(layout, device, indices_only, table)
     # Whole-tensor ops on the rows' ints, no Python loop over rows or tokens: this runs every eager step over
     # 1000+ rows (it cost ~0.75 ms per step as a per-row loop).
     ps, i32 = layout.page_size, torch.int32
@@ -319,16 +318,12 @@ def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = 
     torch.cumsum(used, 0, out=cpu[b + 2:2 * b + 2])
     torch.sub(kv, (used - 1).mul_(ps), out=cpu[2 * b + 2:])
     views = {"qo_indptr": cpu[:b + 1], "kv_indptr": cpu[b + 1:2 * b + 2], "kv_last_page_len": cpu[2 * b + 2:]}
-    if layout.is_decode:
-        batch = torch.arange(b, dtype=i32)
-    else:
-        batch = torch.repeat_interleave(torch.arange(b, dtype=i32), new, output_size=int(views["qo_indptr"][-1]))
-    host: dict[str, Any] = {"batch_indices": batch, "append_positions": token_positions_tensor(layout)}
+    host: dict[str, Any] = {}
     if gather:
         host.update(slots=layout.slots, used=used, starts=views["kv_indptr"][:-1])
     else:
         host["kv_indices"] = [p for pages, n in zip(layout.pages, used.tolist()) for p in pages[:n]]  # CPU tensor
-    if not append_only:
+    if not indices_only:
         host.update(kv_indptr=views["kv_indptr"], kv_last_page_len=views["kv_last_page_len"])
     dev = to_device(host, device, dtype=i32)
     if gather:
@@ -337,12 +332,12 @@ def _page_layout(layout: BatchLayout, device: torch.device, append_only: bool = 
     return dev, views
 
 
-def _page_layout_rows(layout: BatchLayout, device: torch.device, append_only: bool, table: torch.Tensor | None
+def _page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bool, table: torch.Tensor | None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """:func:`_page_layout` of a small step, row by row (equal outputs; tests/cpu/test_step_host_equal.py)."""
     ps = layout.page_size
     gather = table is not None and layout.slots is not None
-    qo_indptr, kv_indptr, indices, last, batch, positions, used_pages = [0], [0], [], [], [], [], []
+    qo_indptr, kv_indptr, indices, last, used_pages = [0], [0], [], [], []
     for b, (new, kv) in enumerate(zip(layout.num_new, layout.kv_lens)):
         used = pages_for(kv, ps)  # a table may hold pages reserved for later tokens; FlashInfer must not see them
         if not gather:
@@ -351,14 +346,12 @@ def _page_layout_rows(layout: BatchLayout, device: torch.device, append_only: bo
         qo_indptr.append(qo_indptr[-1] + new)
         kv_indptr.append(kv_indptr[-1] + used)
         last.append(kv - (used - 1) * ps)
-        batch += [b] * new
-        positions += range(kv - new, kv)
-    host = {"batch_indices": batch, "append_positions": positions}
+    host: dict[str, Any] = {}
     if gather:
         host.update(slots=list(layout.slots), used=used_pages, starts=kv_indptr[:-1])
     else:
         host["kv_indices"] = indices
-    if not append_only:
+    if not indices_only:
         host.update(kv_indptr=kv_indptr, kv_last_page_len=last)
     cpu = host_tensor([*qo_indptr, *kv_indptr, *last], torch.int32)
     if device.type == "cuda":  # plan() copies these to the device: from pageable memory that waits for the stream

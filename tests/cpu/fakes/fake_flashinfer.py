@@ -1,8 +1,9 @@
 """A stand-in for FlashInfer's paged-attention API, written from its documented semantics, for CPU tests.
 
-It has the signatures of FlashInfer 0.5.3's ``BatchDecodeWithPagedKVCacheWrapper``,
-``BatchPrefillWithPagedKVCacheWrapper`` and ``append_paged_kv_cache`` (NHD layout) and computes the same
-function with plain loops over the CSR page layout (``indptr``/``indices``/``last_page_len``). In CUDA-graph
+It has the signatures of FlashInfer 0.5.3's ``BatchDecodeWithPagedKVCacheWrapper`` and
+``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout) and computes the same function with plain loops over the CSR
+page layout (``indptr``/``indices``/``last_page_len``): the keys piecegraph wrote at its flat slots are read back
+through the pages FlashInfer would read, so the two layouts must agree. In CUDA-graph
 mode, ``plan`` copies into the caller's buffers and ``run`` reads only those, as the real wrapper's captured
 kernels do, so a backend that hands ``run`` anything else is caught. It never shares code with piecegraph.
 """
@@ -13,18 +14,6 @@ import torch
 
 __version__ = "0.5.3+fake"
 _TENSOR_CORE_FREE_GROUPS = (1, 2, 3, 4, 8)  # the plain decode kernel's group sizes (it refuses 7)
-
-
-def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
-                          kv_indptr, kv_last_page_len, kv_layout="NHD"):
-    assert kv_layout == "NHD" and batch_indices.dtype == torch.int32 and positions.dtype == torch.int32
-    k_cache, v_cache = paged_kv_cache
-    page_size = k_cache.shape[1]
-    for t in range(append_key.shape[0]):
-        b, p = int(batch_indices[t]), int(positions[t])
-        page = int(kv_indices[int(kv_indptr[b]) + p // page_size])
-        k_cache[page, p % page_size] = append_key[t]
-        v_cache[page, p % page_size] = append_value[t]
 
 
 def _attend(q, keys, values, scale, causal_offset=None):
