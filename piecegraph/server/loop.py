@@ -35,7 +35,7 @@ class Closed(Exception):
     """The loop is shutting down or stopped (a 503)."""
 
 
-@dataclass
+@dataclass(slots=True)  # one per streamed token on both sides of the engine pipe: slots make it ~30% cheaper
 class Event:
     """What a handler learns: new output ids, the engine's finish reason once finished (``eos``, ``length``,
     ``aborted``), or an ``error`` (the engine refused the request: ``ValueError``/``TypeError`` text; or failed)."""
@@ -68,14 +68,20 @@ class EngineLoop:
     one more is refused with :class:`QueueFull`. ``metrics``: a :class:`~piecegraph.server.metrics.Metrics` the
     loop writes steps and KV pages to. Use :meth:`start`, :meth:`submit`/:meth:`abort` from an asyncio loop, and
     :meth:`close` (finish what is running for up to ``drain_s``, abort the rest, log which). ``sink``: where
-    each iteration's ``(ticket, event)`` pairs go (default: the tickets' asyncio queues)."""
+    each iteration's ``(ticket, event)`` pairs go (default: the tickets' asyncio queues). ``step_sink``: where a
+    step's new tokens go instead, as ``(ticket, new ids, finish reason)`` rows and the publish time (default:
+    made into events for ``sink``); the engine process sends them on as they are, since building an
+    :class:`Event` per token cost ~1 of the ~3 us per token its loop spent publishing (3 ms per step at 1024)."""
 
     def __init__(self, engine: Engine, *, max_pending: int, metrics: Any = None, name: str = "engine-loop",
-                 sink: Callable[[list[tuple[Ticket, Event]]], None] | None = None, inbox: Any = None) -> None:
+                 sink: Callable[[list[tuple[Ticket, Event]]], None] | None = None, inbox: Any = None,
+                 step_sink: Callable[[list[tuple[Ticket, list[int], str | None]], float], None] | None = None
+                 ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending!r} must be >= 1")
         self.engine, self.max_pending, self.metrics = engine, max_pending, metrics
         self._sink = sink or self._to_asyncio
+        self._step_sink = step_sink or self._as_events
         # Commands for the engine thread: put / get / get_nowait as queue.SimpleQueue's (the engine process passes
         # one that reads its command pipe, remote.py)
         self._inbox = inbox if inbox is not None else queue.SimpleQueue()
@@ -242,15 +248,16 @@ class EngineLoop:
 
     def _publish(self) -> None:
         """Each live request's new ids (and its finish) to its handler: one wake-up per asyncio loop."""
-        now, out, gone = time.perf_counter(), [], []
-        for ticket in self._live.values():
+        now, rows, gone = time.perf_counter(), [], []
+        for ticket in self._live.values():  # 1000+ rows per step: kept lean (see step_sink)
             request = ticket.request
-            n, reason = len(request.output), request.finish_reason
-            if n == ticket.sent and reason is None:
+            output, reason, sent = request.output, request.finish_reason, ticket.sent
+            n = len(output)
+            if n == sent and reason is None:
                 continue
-            if not ticket.sent and n:
+            if not sent and n:
                 self._started_ids += 1
-            out.append((ticket, Event(request.output[ticket.sent:n], reason, at=now)))
+            rows.append((ticket, output[sent:n], reason))
             ticket.sent = n
             if reason is not None:
                 gone.append(ticket)
@@ -261,7 +268,11 @@ class EngineLoop:
                 self.finished_at_close.append(ticket.id)
                 log.info("%s finished during shutdown (%s, %d tokens)", ticket.id, ticket.request.finish_reason,
                          ticket.sent)
-        self._send(out)
+        if rows:
+            self._step_sink(rows, now)
+
+    def _as_events(self, rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
+        self._send([(ticket, Event(ids, reason, at=at)) for ticket, ids, reason in rows])
 
     def _send(self, events: list[tuple[Ticket, Event]]) -> None:
         if events:

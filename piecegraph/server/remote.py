@@ -356,13 +356,19 @@ def _child(factory: Callable[[], Any], commands: Any, events: Any, threads: int)
         return
     cache, kinds = engine.cache, _KindCounter()
 
-    def sink(batch: list[tuple[Ticket, Event]]) -> None:
+    def send(payload: list[tuple]) -> None:
         snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
-        payload = [(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch]
         events.send(("events", payload, snapshot, kinds.take()))
 
+    def sink(batch: list[tuple[Ticket, Event]]) -> None:
+        send([(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch])
+
+    def step_sink(rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
+        send([(t.id, ids, reason, None, False) for t, ids, reason in rows])  # the server stamps its own time
+
     inbox = _PipeInbox(commands)
-    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink, inbox=inbox)  # parent admits
+    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink, inbox=inbox,
+                                   step_sink=step_sink)  # the parent admits
     config = engine.config
     events.send(("ready", {"max_seq_len": config.max_seq_len or engine.model.config.max_seq_len,
                            "vocab_size": engine.model.config.vocab_size, "max_num_seqs": config.max_num_seqs,
