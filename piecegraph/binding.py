@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .outputs import packer, side_outputs, unpack_single
+from .outputs import pack_spec, packer_of, side_outputs, unpack_single
 from .program import ArgSpec, InputKind, describe, token_arguments
 from .trace.backend import UnsupportedGraph
 
@@ -146,6 +146,7 @@ class Binding:
     known_args: frozenset[str]
     specs: dict[str, ArgSpec] = field(default_factory=dict)
     accepted: set[tuple] = field(default_factory=set)
+    pack_spec: tuple[str, Any] | None = None  # what ``pack`` does, as data (a traced binding's: see snapshot)
 
     def __post_init__(self) -> None:
         # Where each call's own values go (the rest are read off ``inputs``, which a weight refresh updates).
@@ -170,18 +171,20 @@ class Binding:
             else:
                 log.info("piecegraph: graph input %s cannot be bound directly; calls go through Dynamo", name)
                 return None
-        pack = packer(result, outputs)
-        if pack is not None and side_outputs(result, outputs):
+        spec = pack_spec(result, outputs)
+        if spec is not None and side_outputs(result, outputs):
             log.info("piecegraph: the graph also returns values the model stores elsewhere (an attribute assigned "
                      "in forward); calls go through Dynamo, which applies them")
             return None
-        if pack is None:
+        if spec is None:
             log.info("piecegraph: the model's output is not a tensor or tuple of tensors; calls go through Dynamo")
             return None
         specs = {b.value: ArgSpec.of(b.value, trace_values[b.value], token_dim if kind is InputKind.TOKENS else None)
                  for b, kind in zip(inputs, kinds)
                  if b.source is Source.CALLER and isinstance(trace_values[b.value], torch.Tensor)}
-        return cls(inputs, pack, _constants(trace_values), frozenset(trace_values), specs)
+        binding = cls(inputs, packer_of(spec), _constants(trace_values), frozenset(trace_values), specs)
+        binding.pack_spec = spec
+        return binding
 
     @classmethod
     def of_arguments(cls, values: dict[str, Any], single_output: bool) -> Binding:

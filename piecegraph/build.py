@@ -4,6 +4,7 @@ token-count mismatch shows to be static, not a token input."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,11 +13,13 @@ from typing import Any, Callable
 import torch
 
 from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
+from .binding_snapshot import BindingSnapshot, restore_binding, snapshot_binding
 from .config import Config
 from .graphs.breakable import build_breakable_program
 from .program import TokenCountMismatch
 from .runner import FlatRunner
-from .trace.backend import build_program, graph_memory
+from .trace.backend import build_program, graph_memory, placeholder_facts
+from .trace.snapshot import GraphSnapshot, restore_graph, snapshot_graph
 
 log = logging.getLogger("piecegraph")
 
@@ -35,26 +38,45 @@ class Startup:
     cache: dict[str, Any] = field(default_factory=lambda: {"cache": "off"})
 
 
+@dataclass
+class TraceSnapshot:
+    """What a warm start needs instead of Dynamo: the traced graph, the binding, and the config's static inputs
+    as the trace left them (a tensor found static is added to them)."""
+
+    graph: GraphSnapshot
+    binding: BindingSnapshot
+    static_inputs: tuple[str, ...]
+
+
 def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, runners: list[FlatRunner],
-                verify_sizes: float | None = None, startup: Startup | None = None
-                ) -> tuple[Callable[..., Any], Binding | None]:
+                verify_sizes: float | None = None, startup: Startup | None = None,
+                snapshots: list[GraphSnapshot | None] | None = None) -> tuple[Callable[..., Any], Binding | None]:
     """Trace ``model`` with Dynamo once, on copies of the call's arguments (its tensors are never written).
 
     Every compile appends its runner to ``runners``, a recompile on a later call too; the trace call itself runs
     the pieces without graphs. Returns the compiled call (``compiled(**values)``) and the binding that lets later
     calls skip Dynamo (``None``: they go through it). ``verify_sizes``: how many captured sizes each runner
-    verifies (default: the config's ``verify``). ``startup``: where the seconds go (a recompile's too). Dynamo's
-    errors propagate."""
+    verifies (default: the config's ``verify``). ``startup``: where the seconds go (a recompile's too).
+    ``snapshots``: when given, the first graph is snapshotted (appended, ``None`` if it cannot be) and the program
+    built from the restored snapshot, so a warm start loading it compiles the very same code. Dynamo's errors
+    propagate."""
     trace_values = trace_copies(values, config.token_dim, config.static_inputs)
     examples: list[list[Any]] = []
     startup = startup or Startup()
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # A recompile's runner is not tracing: it captures at once.
-        memory = graph_memory(gm, config)  # before compiling: Inductor rewrites the graph it is given
-        start = time.perf_counter()
-        program = build_program(gm, example_inputs, config)
-        startup.compile_s += time.perf_counter() - start
+        inputs, restored = example_inputs, False
+        if snapshots is not None and not examples:
+            gm, inputs = _through_snapshot(gm, example_inputs, snapshots)
+            restored = snapshots[-1] is not None
+        # A restored graph has fakes of its own shape env: compile it outside Dynamo's tracing context, whose
+        # fake mode (the one compilers look up first) knows only Dynamo's symbols. A warm start compiles it so.
+        with torch._guards.tracing(None) if restored else contextlib.nullcontext():
+            memory = graph_memory(gm, config)  # before compiling: Inductor rewrites the graph it is given
+            start = time.perf_counter()
+            program = build_program(gm, inputs, config)
+            startup.compile_s += time.perf_counter() - start
         runner = FlatRunner(program, config, tracing=not examples, verify_sizes=verify_sizes, memory=memory)
         examples.append(list(example_inputs))
         runners.append(runner)
@@ -71,6 +93,54 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
     runner = runners[-1]
     runner.end_trace()
     return call, bind_trace(runner, examples[0], trace_values, result, config.token_dim)
+
+
+def _through_snapshot(gm: torch.fx.GraphModule, example_inputs: list[Any], snapshots: list[GraphSnapshot | None]
+                      ) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """``gm`` snapshotted and restored (appending the snapshot), or as it is when it cannot be (appending None)."""
+    fakes, sources, state = placeholder_facts(gm)
+    snapshot = snapshot_graph(gm, fakes, sources, state) if fakes and all(f is not None for f in fakes) else None
+    if snapshot is not None:
+        try:
+            restored, restored_fakes = restore_graph(snapshot)
+        except Exception as err:  # noqa: BLE001  (a graph FX cannot rebuild: keep Dynamo's, without a snapshot)
+            log.info("piecegraph: the traced graph cannot be snapshotted (%s: %s); warm starts will trace",
+                     type(err).__name__, err)
+            snapshot = None
+        else:
+            gm, example_inputs = restored, restored_fakes
+    snapshots.append(snapshot)
+    return gm, example_inputs
+
+
+def trace_snapshot(graph: GraphSnapshot | None, binding: Binding | None, model: torch.nn.Module, config: Config
+                   ) -> TraceSnapshot | None:
+    """The warm start's snapshot of a trace, or ``None`` when its graph or binding cannot be snapshotted."""
+    if graph is None or binding is None:
+        return None
+    bound = snapshot_binding(binding, model)
+    return None if bound is None else TraceSnapshot(graph, bound, tuple(config.static_inputs))
+
+
+def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, runners: list[FlatRunner],
+               verify_sizes: float | None = None, startup: Startup | None = None) -> Binding:
+    """The program of ``snapshot`` built without Dynamo (its graph restored, split and compiled as a trace
+    would be) and bound to ``model``; its runner is appended to ``runners`` and captures at once (no trace
+    call). ``LookupError`` when the model's tensors are not those snapshotted; the caller traces anew then."""
+    startup = startup or Startup()
+    start = time.perf_counter()
+    binding = restore_binding(snapshot.binding, model)
+    gm, fakes = restore_graph(snapshot.graph)
+    startup.trace_s += time.perf_counter() - start
+    memory = graph_memory(gm, config)
+    start = time.perf_counter()
+    program = build_program(gm, fakes, config)
+    startup.compile_s += time.perf_counter() - start
+    runner = FlatRunner(program, config, verify_sizes=verify_sizes, memory=memory)
+    runner.label_inputs(binding.labels())
+    runner.stage_caller_statics(binding.caller_indices())
+    runners.append(runner)
+    return binding
 
 
 def bind_trace(runner: FlatRunner, example_inputs: list[Any], trace_values: dict[str, Any], result: Any,

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import pickle
 import sys
 import threading
 import time
@@ -16,8 +17,9 @@ import torch
 
 from .auto import setup_auto
 from .binding import Binding, arguments_by_name, positional_names, scratch_arguments, static_suspect
-from .build import Startup, breakable_model, static_from_mismatch, trace_model
+from .build import Startup, breakable_model, load_trace, static_from_mismatch, trace_model, trace_snapshot
 from .cache import compile_cache
+from .cache.session import CacheEntry
 from .config import Config
 from .graphs.capture import capture_batch
 from .graphs.fallback import Advisor, NoAdvice, TraceFixes, trace_or_explain
@@ -153,12 +155,13 @@ class GraphedModule(torch.nn.Module):
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
         self._startup = Startup()
         start = time.perf_counter()
-        with compile_cache(self.model, values, self.config, self._startup.cache):
-            self._setup_stages(values)
+        with compile_cache(self.model, values, self.config, self._startup.cache) as entry:
+            self._setup_stages(values, entry)
         self._startup.setup_s = time.perf_counter() - start
 
-    def _setup_stages(self, values: dict[str, Any]) -> None:
-        """Prewarm, then trace and compile as the mode says (timed into ``self._startup``)."""
+    def _setup_stages(self, values: dict[str, Any], entry: CacheEntry) -> None:
+        """Prewarm, then trace (or load the cache's traced program) and compile as the mode says (timed into
+        ``self._startup``)."""
         mode = self.config.mode
         with kept_buffers(self.model):
             if self.config.prewarm:
@@ -169,9 +172,42 @@ class GraphedModule(torch.nn.Module):
             elif mode == "auto":
                 self._keep_fixes(setup_auto(self.model, values, self.config, self._advisor, self._try_trace,
                                             self._setup_breakable))
-            else:  # Dynamo's failure: automatic opaque when Config says, else piecegraph's error naming the fix
-                self._keep_fixes(trace_or_explain(self.model, lambda: scratch_arguments(values), self.config,
-                                                  self._advisor, lambda: self._try_trace(values, self.config, None)))
+            elif not self._load_trace(entry):  # Dynamo's failure: automatic opaque when Config says, else
+                snapshots: list | None = [] if entry.enabled else None  # piecegraph's error naming the fix
+                self._keep_fixes(trace_or_explain(
+                    self.model, lambda: scratch_arguments(values), self.config, self._advisor,
+                    lambda: self._try_trace(values, self.config, None, snapshots)))
+                self._keep_trace(entry, snapshots)
+
+    def _load_trace(self, entry: CacheEntry) -> bool:
+        """Build the program from the cache's traced program instead of Dynamo (piecewise/full); False (and a
+        warning, unless there was none) when there is none or it does not fit this model: then it traces."""
+        if not entry.enabled:
+            return False
+        self._startup.cache["trace"] = "traced"
+        if entry.trace is None or self.config.mode not in ("piecewise", "full"):
+            return False
+        try:
+            snapshot = pickle.loads(entry.trace)
+            config = self.config.replace(static_inputs=snapshot.static_inputs)
+            binding = load_trace(self.model, snapshot, config, self._runners, None, self._startup)
+        except Exception as err:  # noqa: BLE001  (never load what does not fit: trace anew, and say so)
+            log.warning("piecegraph cache: the traced program could not be used (%s: %s); tracing anew",
+                        type(err).__name__, err)
+            self._reset()
+            return False
+        self.config, self._binding, self._compiled = config, binding, self.runner
+        self._weights.bind(binding)
+        self._startup.cache["trace"] = "loaded"
+        return True
+
+    def _keep_trace(self, entry: CacheEntry, snapshots: list | None) -> None:
+        """Hand the cache a snapshot of a plain trace (one program, bound, nothing wrapped by automatic opaque)."""
+        if not snapshots or self._trace_fixes is not None or len(self._runners) != 1:
+            return
+        snapshot = trace_snapshot(snapshots[-1], self._binding, self.model, self.config)
+        if snapshot is not None:
+            entry.new_trace = pickle.dumps(snapshot)
 
     def _keep_fixes(self, fixed: TraceFixes | None) -> None:
         """Keep what automatic opaque wrapped (for stats()); its routes are undone when this module is released."""
@@ -179,13 +215,14 @@ class GraphedModule(torch.nn.Module):
             self._trace_fixes = fixed
             weakref.finalize(self, fixed.release)
 
-    def _trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None = None) -> None:
+    def _trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None = None,
+               snapshots: list | None = None) -> None:
         """Trace with Dynamo once (:func:`~piecegraph.build.trace_model`) and bind; a tensor the trace shows is not
         a token input is added to the static inputs (this module's config too) and the model traced again."""
         while True:
             try:
                 self._compiled, self._binding = trace_model(self.model, values, config, self._runners, verify_sizes,
-                                                            self._startup)
+                                                            self._startup, snapshots)
                 break
             except Exception as err:  # noqa: BLE001  (Dynamo wraps the backend's error)
                 static = static_suspect(err, values, config.token_dim, config.static_inputs)
@@ -207,9 +244,10 @@ class GraphedModule(torch.nn.Module):
         self._compiled = self.model
         self._weights.bind(self._binding, traced=False)
 
-    def _try_trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None) -> Exception | None:
+    def _try_trace(self, values: dict[str, Any], config: Config, verify_sizes: float | None,
+                   snapshots: list | None = None) -> Exception | None:
         try:
-            self._trace(values, config, verify_sizes)
+            self._trace(values, config, verify_sizes, snapshots)
             return None
         except Exception as error:  # Dynamo raises many types; each is a reason to fall back, not to crash
             self._reset()

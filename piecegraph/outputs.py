@@ -27,8 +27,9 @@ def unpack_single(outputs: tuple[Any, ...]) -> Any:
     return outputs[0]
 
 
-def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
-    """How to rebuild ``result`` (a tensor, or a tuple or list of tensors) from the program's flat ``outputs``."""
+def pack_spec(result: Any, outputs: tuple[Any, ...] | None) -> tuple[str, Any] | None:
+    """Where ``result`` (a tensor, or a tuple or list of tensors) sits in the program's flat ``outputs``, as data:
+    ``("tensor", i)``, ``("tuple", [i, ...])`` or ``("list", [i, ...])``; ``None`` when it is not that."""
     if outputs is None:
         return None
 
@@ -37,14 +38,26 @@ def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any,
 
     if isinstance(result, torch.Tensor):
         i = index(result)
-        return None if i is None else (lambda outs: outs[i])
-    if isinstance(result, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in result):
+        return None if i is None else ("tensor", i)
+    if type(result) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in result):
         idx = [index(t) for t in result]
-        if None in idx:
-            return None
-        kind = type(result)
-        return lambda outs: kind(outs[i] for i in idx)
+        return None if None in idx else (type(result).__name__, idx)
     return None
+
+
+def packer_of(spec: tuple[str, Any]) -> Callable[[tuple[Any, ...]], Any]:
+    """The function that rebuilds the model's output from the flat outputs, for a :func:`pack_spec`."""
+    kind, where = spec
+    if kind == "tensor":
+        return lambda outs: outs[where]
+    container = tuple if kind == "tuple" else list
+    return lambda outs: container(outs[i] for i in where)
+
+
+def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
+    """How to rebuild ``result`` (a tensor, or a tuple or list of tensors) from the program's flat ``outputs``."""
+    spec = pack_spec(result, outputs)
+    return None if spec is None else packer_of(spec)
 
 
 def side_outputs(result: Any, outputs: tuple[Any, ...]) -> bool:

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,19 +21,32 @@ from .store import LockTimeout, Store
 log = logging.getLogger("piecegraph")
 
 MEGA = "mega.bin"
+TRACE = "trace.pkl"  # the traced program (build.TraceSnapshot, pickled): a warm start skips Dynamo with it
+
+
+@dataclass
+class CacheEntry:
+    """What the setup inside :func:`compile_cache` reads and adds: ``trace``, the loaded entry's traced program
+    (bytes, or ``None``); ``new_trace``, set by a setup that traced, published with the entry."""
+
+    enabled: bool = False
+    trace: bytes | None = None
+    new_trace: bytes | None = None
 
 
 @contextlib.contextmanager
 def compile_cache(model: torch.nn.Module, values: dict[str, Any], config: Any, report: dict[str, Any]
-                  ) -> Iterator[None]:
+                  ) -> Iterator[CacheEntry]:
     """Around a GraphedModule's setup (trace and compile): nothing when the config has no cache; else warm
     torch's caches from a valid entry first, or publish one after a cold setup that succeeded. Fills ``report``:
     ``cache`` ("off", "warm", "cold", or "rebuilt (<why>)"), ``cache_key``, ``cache_load_s``, ``cache_save_s``
-    and Inductor's FX graph cache hits and misses during the block."""
+    and Inductor's FX graph cache hits and misses during the block. Yields the :class:`CacheEntry` of the block
+    (``enabled`` false without a cache)."""
     root = resolve_cache_dir(config.cache_dir)
+    entry = CacheEntry()
     if root is None or config.mode == "breakable" or config.compiler != "inductor":  # nothing Inductor compiles
         report["cache"] = "off"
-        yield
+        yield entry
         return
     material = key_material(model, values, config)
     key = cache_key(material)
@@ -44,19 +58,22 @@ def compile_cache(model: torch.nn.Module, values: dict[str, Any], config: Any, r
         except LockTimeout as err:  # a stuck peer must not stop the start: it runs without the cache
             log.warning("%s; starting without the cache", err)
             report["cache"] = "off (lock timeout)"
-            yield
+            yield entry
             return
         stack.enter_context(inductor_dir(root))
         stack.enter_context(flashinfer_workspace(root))
         before = _fx_counters()
-        warm = _load(store, key, material, report)
-        yield
+        files = _load(store, key, material, report)
+        entry.enabled, entry.trace = True, (files or {}).get(TRACE)
+        yield entry
         report["fx_graph_cache"] = {k: v - before.get(k, 0) for k, v in _fx_counters().items()}
-        if not warm or report["fx_graph_cache"]["fxgraph_cache_miss"]:  # a warm start that compiled: refresh it
-            _save(store, key, material, report)
+        # Publish a cold start; refresh a warm one that compiled, or traced a program the entry lacked.
+        if files is None or report["fx_graph_cache"]["fxgraph_cache_miss"] or (
+                entry.new_trace is not None and entry.trace is None):
+            _save(store, key, material, report, entry.new_trace or entry.trace)
 
 
-def _load(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> bool:
+def _load(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> dict[str, bytes] | None:
     start = time.perf_counter()
     found = store.load(key, material)
     if found.files is not None and MEGA in found.files and _can_mega():
@@ -71,17 +88,20 @@ def _load(store: Store, key: str, material: dict[str, Any], report: dict[str, An
     report["cache_load_s"] = time.perf_counter() - start
     if not warm and found.reason != "absent":
         log.warning("piecegraph cache: entry %s not used, %s; compiling anew and replacing it", key, found.reason)
-    return warm
+    return found.files
 
 
-def _save(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> None:
+def _save(store: Store, key: str, material: dict[str, Any], report: dict[str, Any], trace: bytes | None) -> None:
     start = time.perf_counter()
     files: dict[str, bytes] = {}
     if _can_mega():
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             files[MEGA] = saved[0]
-    store.save(key, material, files, info={"torch": torch.__version__, "mega": MEGA in files})
+    if trace is not None:
+        files[TRACE] = trace
+    store.save(key, material, files, info={"torch": torch.__version__, "mega": MEGA in files,
+                                           "trace": trace is not None})
     report["cache_save_s"] = time.perf_counter() - start
 
 

@@ -281,6 +281,15 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     )
 
 
+def placeholder_facts(gm: torch.fx.GraphModule) -> tuple[list[Any], list[str], list[bool]]:
+    """Each placeholder's fake, Dynamo source name and whether it is module state: what a graph snapshot
+    (trace/snapshot.py) records of Dynamo's metadata."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [_fake(n) for n in placeholders]
+    return (fakes, [_source_name(n) for n in placeholders],
+            [isinstance(f, torch.Tensor) and _is_module_state(n, f) for n, f in zip(placeholders, fakes)])
+
+
 def graph_memory(gm: torch.fx.GraphModule, config: Config) -> GraphMemory | None:
     """The graphs' memory per capture size, estimated from ``gm`` before it is split or compiled (see
     graphs/memory.py); ``None`` for a mode without graphs or a static trace (one size, known at its capture)."""

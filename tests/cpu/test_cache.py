@@ -130,7 +130,9 @@ SCRIPT = textwrap.dedent("""
     x = torch.arange(48.0).reshape(3, 16) / 48
     out = graphed(x)
     assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-5)
-    print(json.dumps({"cache": graphed.stats()["startup"]["cache"], "out": out.tolist(),
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # graphs Dynamo traced in this process
+    print(json.dumps({"cache": graphed.stats()["startup"]["cache"], "out": out.tolist(), "dynamo_frames": frames,
+                      "trace": graphed.stats()["startup"]["trace"],
                       "modules": sorted(m for m in ("flashinfer", "transformers") if m in sys.modules)}))
 """)
 
@@ -146,4 +148,7 @@ def test_a_second_process_starts_warm_with_the_same_outputs(root):
     first, second = run(), run()
     assert (first["cache"], second["cache"]) == ("cold", "warm")
     assert first["out"] == second["out"]
+    # The warm process loaded the traced program: Dynamo traced nothing there
+    assert (first["trace"], second["trace"]) == ("traced", "loaded")
+    assert first["dynamo_frames"] >= 1 and second["dynamo_frames"] == 0
     assert first["modules"] == []  # compiling a plain model imports neither FlashInfer nor transformers

@@ -1,0 +1,149 @@
+"""A traced graph as bytes, and back, so a warm start skips Dynamo.
+
+Dynamo's graph pickles as Python code (FX's own ``GraphModule`` pickling), but its node metadata does not: the
+fake values with the symbolic token count, which splitting, the token-mixing check, the memory estimate and
+Inductor all read. So the snapshot also records each placeholder's fake as data (dtype, device, shape with the
+token symbols by name, contiguous) and what :func:`~piecegraph.trace.backend.build_program` reads off Dynamo's
+placeholder metadata (source name, module state). :func:`restore_graph` rebuilds the fakes in a fresh shape env
+and propagates them through the graph. A cold start that can snapshot builds its program from the restored graph
+too, so a warm start compiles exactly what the cold one did (same code, same symbol names: Inductor's caches hit).
+
+Only what the snapshot can state exactly is snapshotted: a dynamic trace whose placeholders are SymInts that
+are token symbols, or contiguous tensors whose sizes are integers or token symbols, and no ``get_attr`` state.
+Anything else returns ``None`` (the start traces with Dynamo, as without a cache).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FORMAT = 1
+
+
+@dataclass
+class Placeholder:
+    """What a placeholder's fake was: a token symbol (``symbol``), or a tensor (``shape`` of ints and symbol
+    names), with the metadata :func:`build_program` reads (``source``: Dynamo's source name; ``module_state``)."""
+
+    name: str
+    source: str
+    symbol: str | None = None
+    shape: tuple[int | str, ...] | None = None
+    dtype: torch.dtype | None = None
+    device: str | None = None
+    requires_grad: bool = False
+    module_state: bool = False
+
+
+@dataclass
+class GraphSnapshot:
+    """A graph and its placeholders' fakes; ``hints`` gives each token symbol the value it was traced with."""
+
+    code: bytes  # the pickled GraphModule (FX regenerates it from its code)
+    placeholders: list[Placeholder]
+    hints: dict[str, int]
+    format: int = FORMAT
+
+
+def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str], module_state: list[bool]
+                   ) -> GraphSnapshot | None:
+    """``gm`` (a Dynamo graph, before splitting or compiling) as a :class:`GraphSnapshot`, or ``None`` when its
+    placeholders or state are not what the snapshot can state exactly (see the module docstring)."""
+    if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes) or list(gm.named_buffers()) or \
+            list(gm.named_parameters()):
+        return None
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders, hints = [], {}
+    for node, fake, source, state in zip(nodes, fakes, sources, module_state):
+        entry = Placeholder(node.name, source, module_state=state)
+        if isinstance(fake, torch.SymInt):
+            if not fake.node.expr.is_Symbol:
+                return None
+            entry.symbol = str(fake.node.expr)
+            hints[entry.symbol] = int(fake.node.hint)
+        elif isinstance(fake, torch.Tensor) and type(fake).__name__ == "FakeTensor":
+            shape = []
+            for size in fake.shape:
+                if isinstance(size, torch.SymInt):
+                    if not size.node.expr.is_Symbol:
+                        return None
+                    shape.append(str(size.node.expr))
+                    hints[str(size.node.expr)] = int(size.node.hint)
+                else:
+                    shape.append(int(size))
+            if not fake.is_contiguous():
+                return None
+            entry.shape, entry.dtype, entry.device = tuple(shape), fake.dtype, str(fake.device)
+            entry.requires_grad = fake.requires_grad
+        else:
+            return None
+        placeholders.append(entry)
+    try:
+        code = pickle.dumps(_without_meta(gm))
+    except Exception:  # noqa: BLE001  (a target FX cannot name for import: trace with Dynamo instead)
+        return None
+    return GraphSnapshot(code, placeholders, hints)
+
+
+def _without_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that pickles small: FX pickles code, so the metadata would be dropped anyway."""
+    return torch.fx.GraphModule(torch.nn.Module(), gm.graph, class_name=type(gm).__name__)
+
+
+def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """The graph of ``snapshot`` with fresh fakes on its nodes (``meta["example_value"]``, symbolic token
+    counts in a new shape env) and the placeholders' fakes, in order. Raises ``ValueError`` on a snapshot of
+    another format."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    if snapshot.format != FORMAT:
+        raise ValueError(f"a graph snapshot of format {snapshot.format}, not {FORMAT}")
+    gm = pickle.loads(snapshot.code)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    symbols: dict[str, Any] = {}
+    for name in sorted(snapshot.hints):  # a fixed order: the same symbols on every start
+        hint = snapshot.hints[name]
+        symbol = env.create_symbol(hint, ConstantSource(f"piecegraph_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+        symbols[name] = env.create_symintnode(symbol, hint=hint)
+    fakes: list[Any] = []
+    with mode:
+        for entry in snapshot.placeholders:
+            if entry.symbol is not None:
+                fakes.append(symbols[entry.symbol])
+                continue
+            shape = [symbols[s] if isinstance(s, str) else s for s in entry.shape]
+            fakes.append(torch.empty(shape, dtype=entry.dtype, device=entry.device).requires_grad_(
+                entry.requires_grad))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, entry, fake in zip(nodes, snapshot.placeholders, fakes):
+        node.meta["example_value"] = fake
+        node.meta["grapharg"] = _Arg(_Source(entry.source))
+        if entry.module_state:
+            node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" and "val" in node.meta:
+            node.meta.setdefault("example_value", node.meta["val"])
+    return gm, fakes
+
+
+@dataclass
+class _Source:
+    name: str
+
+
+@dataclass
+class _Arg:
+    """What :func:`~piecegraph.trace.backend` reads of Dynamo's ``GraphArg``: the source's name."""
+
+    source: _Source
+    example: Any = None
+    fake_tensor: Any = None

@@ -1,0 +1,141 @@
+"""A warm start skips Dynamo: the cache keeps the traced program (trace/snapshot.py, binding_snapshot.py), and a
+start that finds it builds the same program from it. Tested against eager and the cold start; a program that
+does not fit the model is traced anew, never loaded; the snapshot round trip never changes an answer (property
+test, eager compiler: no Inductor needed). Graphs emulated on CPU."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from toy import ToyModel
+
+import piecegraph
+from piecegraph.attention import KVCache
+from piecegraph.binding_snapshot import resolve_source, restore_binding, snapshot_binding
+from piecegraph.build import load_trace, trace_model, trace_snapshot
+from piecegraph.config import Config
+from piecegraph.context import forward_context
+from piecegraph.models import TINY, Decoder, dummy_inputs, generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("pgtrace")
+
+
+def _start(root, mode: str, model: torch.nn.Module | None = None):
+    model = model or Decoder.random(TINY, seed=0).eval()
+    cache = KVCache.for_sequences(TINY, 3, 48)
+    sizes = (4, 16) if mode == "piecewise" else (1, 2, 4)
+    graphed = piecegraph.compile(model, mode=mode, capture_sizes=sizes, emulate_graphs=True, cache_dir=root)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
+    return model, cache, graphed, traced
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_warm_start_loads_the_traced_program_without_dynamo_and_equals_eager(root, mode):
+    model, cache, cold, cold_frames = _start(root, mode)
+    first = cold.stats()["startup"]
+    assert (first["cache"], first["trace"]) == ("cold", "traced") and cold_frames >= 1
+    assert (root / "entries" / first["cache_key"] / "trace.pkl").exists()
+    _, warm_cache, warm, warm_frames = _start(root, mode, model)
+    second = warm.stats()["startup"]
+    assert (second["cache"], second["trace"], warm_frames) == ("warm", "loaded", 0)
+    assert second["fx_graph_cache"]["fxgraph_cache_miss"] == 0  # the same code as the cold start compiled
+    want = generate(model, PROMPTS, 5)
+    if mode == "piecewise":
+        assert generate(model, PROMPTS, 5, cache=warm_cache, prefill_fn=warm) == want
+        assert generate(model, PROMPTS, 5, cache=cache, prefill_fn=cold) == want
+    else:
+        assert generate(model, PROMPTS, 5, cache=warm_cache, decode_fn=warm) == want
+        assert generate(model, PROMPTS, 5, cache=cache, decode_fn=cold) == want
+    # An argument unlike the traced one is refused by the loaded binding as by a traced one, naming it
+    with pytest.raises(ValueError, match="input input_ids is torch.float32"):
+        warm(torch.zeros(2), torch.zeros(2, dtype=torch.long))
+
+
+def test_a_traced_program_that_does_not_fit_is_traced_anew_with_a_warning(root, monkeypatch, caplog):
+    model, cache, _, _ = _start(root, "piecewise")
+
+    def refuse(*args, **kwargs):
+        raise LookupError("model.layers.0.weight is not the tensor it was")
+
+    monkeypatch.setattr(piecegraph.graphed_module, "load_trace", refuse)
+    with caplog.at_level(logging.WARNING, logger="piecegraph"):
+        _, _, again, frames = _start(root, "piecewise", model)
+    assert "could not be used (LookupError" in caplog.text and "tracing anew" in caplog.text
+    assert again.stats()["startup"]["trace"] == "traced" and frames >= 1
+    assert generate(model, PROMPTS, 5, cache=cache, prefill_fn=again) == generate(model, PROMPTS, 5)
+
+
+def test_a_binding_is_restored_only_on_the_tensors_it_was_taken_from():
+    model = Decoder.random(TINY, seed=0).eval()
+    cache = KVCache.for_sequences(TINY, 2, 32)
+    (ids, pos), meta = dummy_inputs(model, cache, 4)
+    runners: list = []
+    with forward_context(meta), torch.no_grad():
+        _, binding = trace_model(model, {"input_ids": ids, "positions": pos}, Config(mode="none"), runners)
+    snapshot = snapshot_binding(binding, model)
+    source = next(b.name for b in binding.inputs if b.source.value == "module")
+    assert resolve_source(source, model) is next(b.value for b in binding.inputs if b.name == source)
+    restored = restore_binding(snapshot, Decoder.random(TINY, seed=1).eval())  # same shapes: fine
+    assert [b.name for b in restored.inputs] == [b.name for b in binding.inputs]
+    other = Decoder.random(TINY.__class__(**{**TINY.__dict__, "hidden_size": 32}), seed=0).eval()
+    with pytest.raises(LookupError, match="is not the"):
+        restore_binding(snapshot, other)
+    with pytest.raises(LookupError):
+        resolve_source("G['torch'].ones", model)
+
+
+class Tagged(torch.nn.Module):
+    """A toy whose forward bakes non-tensor arguments and attributes into the trace."""
+
+    def __init__(self, scale: float, layers: int) -> None:
+        super().__init__()
+        self.inner = ToyModel(dim=16, layers=layers, seed=layers)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        return self.inner(x * self.scale + shift, pos)
+
+
+@settings(max_examples=12, deadline=None)
+@given(scale=st.sampled_from([0.5, 1.0, 3.0]), layers=st.integers(1, 3), shift=st.sampled_from([0.0, 2.0]),
+       n=st.integers(1, 9), later=st.integers(1, 9))
+def test_the_snapshot_round_trip_never_changes_an_answer(scale, layers, shift, n, later):
+    model = Tagged(scale, layers).eval()
+    config = Config(mode="piecewise", compiler="eager", capture_sizes=(4, 8), emulate_graphs=True)
+
+    def args(k: int) -> dict:
+        g = torch.Generator().manual_seed(k)
+        return {"x": torch.randn(k, 16, generator=g), "pos": torch.arange(k), "shift": shift}
+
+    runners: list = []
+    snapshots: list = []
+    with forward_context({"n": n}), torch.no_grad():
+        _, binding = trace_model(model, args(n), config, runners, snapshots=snapshots)
+    taken = trace_snapshot(snapshots[-1], binding, model, config)
+    assert taken is not None  # this model snapshots: the trace is plain (tensors, ints, floats)
+    snapshot = pickle.loads(pickle.dumps(taken))
+    loaded_runners: list = []
+    loaded = load_trace(model, snapshot, config, loaded_runners)
+    for k in (n, later):
+        values = args(k)
+        with forward_context({"n": k}), torch.no_grad():
+            want = model(**values)
+            traced = binding.pack(runners[-1](*binding.flatten(values)))
+            got = loaded.pack(loaded_runners[-1](*loaded.flatten(values)))
+        torch.testing.assert_close(traced, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="differs from the traced shift"):
+        loaded.flatten({**args(2), "shift": shift + 1.0})  # the baked constant is checked after loading too
