@@ -4,6 +4,7 @@ starts warm (``Config(cache_dir=...)``, ``PIECEGRAPH_CACHE_DIR``, ``piecegraph c
 Layout under the cache folder::
 
     entries/<key>/mega.bin        torch.compiler.save_cache_artifacts() of the cold start (torch >= 2.7)
+    entries/<key>/trace.pkl       the traced program (build.TraceSnapshot): a warm start skips Dynamo
     entries/<key>/manifest.json   the key's material, each file's size and sha256; written last
     locks/<key>.lock              one start per key at a time (filelock, else fcntl)
     inductor/                     TORCHINDUCTOR_CACHE_DIR during setup: Inductor's FX graph and AOTAutograd
@@ -12,9 +13,10 @@ Layout under the cache folder::
 
 What each torch version gets: every torch piecegraph supports keeps Inductor's FX graph cache (and, from 2.6,
 AOTAutograd's) in ``inductor/``; torch >= 2.7 also gets the mega-cache blob, which refills those caches even
-when ``inductor/`` was cleared or the entry copied to another machine of the same GPU and versions. Dynamo still
-traces on a warm start (its precompile does not serialize a custom backend's split program); what a warm start
-saves is Inductor's code generation and kernel builds.
+when ``inductor/`` was cleared or the entry copied to another machine of the same GPU and versions. Dynamo's
+own precompile does not serialize a custom backend's split program, so piecegraph keeps the traced graph itself
+(``trace.pkl``, every torch): a warm start restores it and builds the program without Dynamo, and saves
+Inductor's code generation and kernel builds too.
 
 Safety: an entry is used only when its manifest exists (written last, by atomic rename), its material equals
 this start's (a stale entry, e.g. another torch, is rebuilt) and every file's checksum matches (a corrupt or

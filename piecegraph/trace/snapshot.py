@@ -3,10 +3,12 @@
 Dynamo's graph pickles as Python code (FX's own ``GraphModule`` pickling), but its node metadata does not: the
 fake values with the symbolic token count, which splitting, the token-mixing check, the memory estimate and
 Inductor all read. So the snapshot also records each placeholder's fake as data (dtype, device, shape with the
-token symbols by name, contiguous) and what :func:`~piecegraph.trace.backend.build_program` reads off Dynamo's
-placeholder metadata (source name, module state). :func:`restore_graph` rebuilds the fakes in a fresh shape env
-and propagates them through the graph. A cold start that can snapshot builds its program from the restored graph
-too, so a warm start compiles exactly what the cold one did (same code, same symbol names: Inductor's caches hit).
+token symbols by name, contiguous), what :func:`~piecegraph.trace.backend.build_program` reads off Dynamo's
+placeholder metadata (source name, module state), and each node's module stack and stack trace (the
+token-mixing check reads a module's ``piecegraph_padding_safe`` there, and names the model's line from the
+trace). :func:`restore_graph` rebuilds the fakes in a fresh shape env and propagates them through the graph. A
+cold start that can snapshot builds its program from the restored graph too, so a warm start compiles exactly
+what the cold one did (same code, same symbol names: Inductor's caches hit).
 
 Only what the snapshot can state exactly is snapshotted: a dynamic trace whose placeholders are SymInts that
 are token symbols, or contiguous tensors whose sizes are integers or token symbols, and no ``get_attr`` state.
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 FORMAT = 1
+_KEPT_META = ("nn_module_stack", "stack_trace")  # what later stages read of Dynamo's per-node metadata
 
 
 @dataclass
@@ -46,6 +49,7 @@ class GraphSnapshot:
     code: bytes  # the pickled GraphModule (FX regenerates it from its code)
     placeholders: list[Placeholder]
     hints: dict[str, int]
+    node_meta: bytes = b""  # per node in order: (op, target, {"nn_module_stack": ..., "stack_trace": ...}), pickled
     format: int = FORMAT
 
 
@@ -82,11 +86,12 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
         else:
             return None
         placeholders.append(entry)
+    kept = [(n.op, _target(n), {k: n.meta[k] for k in _KEPT_META if k in n.meta}) for n in gm.graph.nodes]
     try:
-        code = pickle.dumps(_without_meta(gm))
-    except Exception:  # noqa: BLE001  (a target FX cannot name for import: trace with Dynamo instead)
+        code, node_meta = pickle.dumps(_without_meta(gm)), pickle.dumps(kept)
+    except Exception:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
         return None
-    return GraphSnapshot(code, placeholders, hints)
+    return GraphSnapshot(code, placeholders, hints, node_meta)
 
 
 def _without_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -129,10 +134,27 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
         node.meta["grapharg"] = _Arg(_Source(entry.source))
         if entry.module_state:
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
-    for node in gm.graph.nodes:
+    # FX names the regenerated nodes anew (after their targets, not Dynamo's variables): match them by position,
+    # and refuse a graph that did not come back node for node.
+    kept = pickle.loads(snapshot.node_meta)
+    nodes = list(gm.graph.nodes)
+    if [(op, target) for op, target, _ in kept] != [(n.op, _target(n)) for n in nodes]:
+        raise ValueError("the graph did not come back from its code node for node")
+    for node, (_, _, meta) in zip(nodes, kept):
+        node.meta.update(meta)
         if node.op != "placeholder" and "val" in node.meta:
             node.meta.setdefault("example_value", node.meta["val"])
     return gm, fakes
+
+
+def _target(node: torch.fx.Node) -> str:
+    """What a node calls, comparable across processes (a placeholder's target is its name: not compared)."""
+    if node.op == "placeholder":
+        return ""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
 
 
 @dataclass

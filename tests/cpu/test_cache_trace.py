@@ -139,3 +139,21 @@ def test_the_snapshot_round_trip_never_changes_an_answer(scale, layers, shift, n
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="differs from the traced shift"):
         loaded.flatten({**args(2), "shift": shift + 1.0})  # the baked constant is checked after loading too
+
+
+def test_a_loaded_program_keeps_what_modules_declare_about_padding(root):
+    """The FP8 MoE's experts declare their sort padding-safe (nn_module_stack metadata): a loaded program must
+    still see it, or every size would capture exactly (slower, and a warning)."""
+    from piecegraph.models import TINY_MOE, MoEDecoder, quantize_fp8
+
+    model = quantize_fp8(MoEDecoder.random(TINY_MOE, seed=0).eval(), kernel="torch")
+    cache = KVCache.for_sequences(TINY_MOE, 3, 48)
+    stats = []
+    for _ in range(2):
+        graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(4, 16), emulate_graphs=True,
+                                     cache_dir=root)
+        graphed.capture(lambda n: dummy_inputs(model, cache, n))
+        stats.append(graphed.stats())
+    assert [s["startup"]["trace"] for s in stats] == ["traced", "loaded"]
+    assert [s["token_mixing"] for s in stats] == [[], []]
+    assert generate(model, PROMPTS, 4, cache=cache, prefill_fn=graphed) == generate(model, PROMPTS, 4)
