@@ -195,6 +195,7 @@ class GraphedModule(torch.nn.Module):
             log.warning("piecegraph cache: the traced program could not be used (%s: %s); tracing anew",
                         type(err).__name__, err)
             self._reset()
+            entry.trace = None  # so the new trace replaces it
             return False
         self.config, self._binding, self._compiled = config, binding, self.runner
         self._weights.bind(binding)

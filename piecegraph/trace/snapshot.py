@@ -60,6 +60,8 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes) or list(gm.named_buffers()) or \
             list(gm.named_parameters()):
         return None
+    from torch._subclasses.fake_tensor import FakeTensor
+
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders, hints = [], {}
     for node, fake, source, state in zip(nodes, fakes, sources, module_state):
@@ -69,7 +71,7 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
                 return None
             entry.symbol = str(fake.node.expr)
             hints[entry.symbol] = int(fake.node.hint)
-        elif isinstance(fake, torch.Tensor) and type(fake).__name__ == "FakeTensor":
+        elif isinstance(fake, FakeTensor):
             shape = []
             for size in fake.shape:
                 if isinstance(size, torch.SymInt):

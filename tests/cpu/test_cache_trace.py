@@ -76,6 +76,9 @@ def test_a_traced_program_that_does_not_fit_is_traced_anew_with_a_warning(root, 
     assert "could not be used (LookupError" in caplog.text and "tracing anew" in caplog.text
     assert again.stats()["startup"]["trace"] == "traced" and frames >= 1
     assert generate(model, PROMPTS, 5, cache=cache, prefill_fn=again) == generate(model, PROMPTS, 5)
+    monkeypatch.undo()  # the new trace replaced the one that did not fit: the next start loads it
+    _, _, third, frames = _start(root, "piecewise", model)
+    assert third.stats()["startup"]["trace"] == "loaded" and frames == 0
 
 
 def test_a_binding_is_restored_only_on_the_tensors_it_was_taken_from():
