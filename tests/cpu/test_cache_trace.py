@@ -160,3 +160,19 @@ def test_a_loaded_program_keeps_what_modules_declare_about_padding(root):
     assert [s["startup"]["trace"] for s in stats] == ["traced", "loaded"]
     assert [s["token_mixing"] for s in stats] == [[], []]
     assert generate(model, PROMPTS, 4, cache=cache, prefill_fn=graphed) == generate(model, PROMPTS, 4)
+
+
+def test_an_engines_second_start_loads_both_modules_and_serves_the_same_tokens(root):
+    from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+    model = Decoder.random(TINY, seed=0).eval()
+    config = EngineConfig(mode="auto", max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=8,
+                          max_seq_len=64, emulate_graphs=True, cache_dir=root)
+    outputs, traces = [], []
+    for _ in range(2):
+        engine = Engine(model, config)
+        outputs.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)))
+        modules = engine.capture_report()["modules"]
+        traces.append({kind: m["startup"]["trace"] for kind, m in modules.items()})
+    assert traces == [{"piecewise": "traced", "full": "traced"}, {"piecewise": "loaded", "full": "loaded"}]
+    assert outputs[0] == outputs[1] == generate(model, PROMPTS, 6)
