@@ -88,17 +88,23 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
         else:
             return None
         placeholders.append(entry)
-    kept = [(n.op, _target(n), {k: n.meta[k] for k in _KEPT_META if k in n.meta}) for n in gm.graph.nodes]
+    graph = _live_copy(gm.graph)
+    kept = [(n.op, _target(n), {k: n.meta[k] for k in _KEPT_META if k in n.meta}) for n in graph.nodes]
     try:
-        code, node_meta = pickle.dumps(_without_meta(gm)), pickle.dumps(kept)
+        code = pickle.dumps(torch.fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__))
+        node_meta = pickle.dumps(kept)
     except Exception:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
         return None
     return GraphSnapshot(code, placeholders, hints, node_meta)
 
 
-def _without_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` that pickles small: FX pickles code, so the metadata would be dropped anyway."""
-    return torch.fx.GraphModule(torch.nn.Module(), gm.graph, class_name=type(gm).__name__)
+def _live_copy(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """``graph`` without its dead pure nodes (Dynamo keeps some, e.g. an unused ``torch.zeros``): FX re-tracing
+    the pickled code would evaluate such a call on constants and drop it, and nodes are matched by position."""
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    copy.eliminate_dead_code()
+    return copy
 
 
 def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:

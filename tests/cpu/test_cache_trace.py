@@ -174,5 +174,23 @@ def test_an_engines_second_start_loads_both_modules_and_serves_the_same_tokens(r
         outputs.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)))
         modules = engine.capture_report()["modules"]
         traces.append({kind: m["startup"]["trace"] for kind, m in modules.items()})
-    assert traces == [{"piecewise": "traced", "full": "traced"}, {"piecewise": "loaded", "full": "loaded"}]
+    # (the full module's key may be one an earlier test of this module published: then it loads at once)
+    assert traces[0]["piecewise"] == "traced" and traces[1] == {"piecewise": "loaded", "full": "loaded"}
     assert outputs[0] == outputs[1] == generate(model, PROMPTS, 6)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_a_hugging_face_decoder_loads_its_traced_program_and_equals_hf(root, model_type):
+    from test_hf import PROMPTS as HF_PROMPTS
+    from test_hf import flat_logits, hf_logits, rel, tiny
+
+    model = tiny(model_type)
+    expected = [hf_logits(model, p) for p in HF_PROMPTS]
+    traces = []
+    for _ in range(2):
+        graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(32,), emulate_graphs=True,
+                                     cache_dir=root)
+        got = flat_logits(graphed, graphed.model, HF_PROMPTS)
+        assert max(rel(a, b) for a, b in zip(got, expected)) < 1e-5
+        traces.append(graphed.stats()["startup"]["trace"])
+    assert traces == ["traced", "loaded"]
