@@ -172,8 +172,9 @@ class GraphedModule(torch.nn.Module):
             elif mode == "auto":
                 self._keep_fixes(setup_auto(self.model, values, self.config, self._advisor, self._try_trace,
                                             self._setup_breakable))
-            elif not self._load_trace(entry):  # Dynamo's failure: automatic opaque when Config says, else
-                snapshots: list | None = [] if entry.enabled else None  # piecegraph's error naming the fix
+            elif not self._load_trace(entry):
+                # Dynamo's failure: automatic opaque when Config says, else piecegraph's error naming the fix
+                snapshots: list | None = [] if entry.enabled else None
                 self._keep_fixes(trace_or_explain(
                     self.model, lambda: scratch_arguments(values), self.config, self._advisor,
                     lambda: self._try_trace(values, self.config, None, snapshots)))
