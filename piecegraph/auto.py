@@ -17,6 +17,14 @@ from .graphs.fallback import Advisor, TraceFixes, fallback_warning, wrapped_warn
 log = logging.getLogger("piecegraph")
 
 
+def piecewise_config(config: Config) -> tuple[Config, float | None]:
+    """The config auto traces piecewise with, and how many captured sizes it verifies (its first, by default)."""
+    # compile_sizes=None: static code where the dynamic code is likely slow (see Config.compile_sizes)
+    compile_sizes = "reductions" if config.compile_sizes is None else config.compile_sizes
+    piecewise = config.replace(mode="piecewise", verify=bool(config.verify), compile_sizes=compile_sizes)
+    return piecewise, (1 if config.verify is None else None)
+
+
 def setup_auto(model: torch.nn.Module, values: dict[str, Any], config: Config, advisor: Advisor,
                try_trace: Callable[[dict[str, Any], Config, float | None], Exception | None],
                setup_breakable: Callable[..., None]) -> TraceFixes | None:
@@ -24,10 +32,7 @@ def setup_auto(model: torch.nn.Module, values: dict[str, Any], config: Config, a
     piecewise and returns the error (the module reset) or None; ``setup_breakable(values, config, graphs=)``
     falls back. The advisor's runs get copies of the arguments. Returns what the advisor's fixes did (None: the
     model traced as it was)."""
-    # compile_sizes=None: static code where the dynamic code is likely slow (see Config.compile_sizes)
-    compile_sizes = "reductions" if config.compile_sizes is None else config.compile_sizes
-    piecewise = config.replace(mode="piecewise", verify=bool(config.verify), compile_sizes=compile_sizes)
-    verify_sizes = 1 if config.verify is None else None  # auto checks its first capture by default
+    piecewise, verify_sizes = piecewise_config(config)  # auto checks its first capture by default
     error = try_trace(values, piecewise, verify_sizes)
     fixed = None
     summary = ""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .auto import setup_auto
+from .auto import piecewise_config, setup_auto
 from .binding import Binding, arguments_by_name, positional_names, scratch_arguments, static_suspect
 from .build import Startup, breakable_model, load_trace, static_from_mismatch, trace_model, trace_snapshot
 from .cache import compile_cache
@@ -170,8 +170,8 @@ class GraphedModule(torch.nn.Module):
                 verify = True if self.config.verify is None else self.config.verify
                 self._setup_breakable(values, self.config.replace(verify=verify))
             elif mode == "auto":
-                self._keep_fixes(setup_auto(self.model, values, self.config, self._advisor, self._try_trace,
-                                            self._setup_breakable))
+                if not self._load_trace(entry):
+                    self._setup_auto(values, entry)
             elif not self._load_trace(entry):
                 # Dynamo's failure: automatic opaque when Config says, else piecegraph's error naming the fix
                 snapshots: list | None = [] if entry.enabled else None
@@ -180,18 +180,28 @@ class GraphedModule(torch.nn.Module):
                     lambda: self._try_trace(values, self.config, None, snapshots)))
                 self._keep_trace(entry, snapshots)
 
+    def _setup_auto(self, values: dict[str, Any], entry: CacheEntry) -> None:
+        snapshots: list | None = [] if entry.enabled else None
+        fixed = setup_auto(self.model, values, self.config, self._advisor,
+                           lambda v, c, vs: self._try_trace(v, c, vs, snapshots), self._setup_breakable)
+        self._keep_fixes(fixed)
+        if fixed is None and self._compiled is not self.model:  # piecewise at once (no fixes, not breakable)
+            self._keep_trace(entry, snapshots)
+
     def _load_trace(self, entry: CacheEntry) -> bool:
-        """Build the program from the cache's traced program instead of Dynamo (piecewise/full); False (and a
-        warning, unless there was none) when there is none or it does not fit this model: then it traces."""
+        """Build the program from the cache's traced program instead of Dynamo (piecewise, full, and auto, whose
+        traced program is a piecewise one); False (and a warning, unless there was none) when there is none or it
+        does not fit this model: then it traces."""
         if not entry.enabled:
             return False
         self._startup.cache["trace"] = "traced"
-        if entry.trace is None or self.config.mode not in ("piecewise", "full"):
+        if entry.trace is None or self.config.mode not in ("piecewise", "full", "auto"):
             return False
         try:
             snapshot = pickle.loads(entry.trace)
             config = self.config.replace(static_inputs=snapshot.static_inputs)
-            binding = load_trace(self.model, snapshot, config, self._runners, None, self._startup)
+            built, verify = piecewise_config(config) if config.mode == "auto" else (config, None)
+            binding = load_trace(self.model, snapshot, built, self._runners, verify, self._startup)
         except Exception as err:  # noqa: BLE001  (never load what does not fit: trace anew, and say so)
             log.warning("piecegraph cache: the traced program could not be used (%s: %s); tracing anew",
                         type(err).__name__, err)

@@ -34,7 +34,7 @@ def root(tmp_path_factory):
 def _start(root, mode: str, model: torch.nn.Module | None = None):
     model = model or Decoder.random(TINY, seed=0).eval()
     cache = KVCache.for_sequences(TINY, 3, 48)
-    sizes = (4, 16) if mode == "piecewise" else (1, 2, 4)
+    sizes = (1, 2, 4) if mode == "full" else (4, 16)
     graphed = piecegraph.compile(model, mode=mode, capture_sizes=sizes, emulate_graphs=True, cache_dir=root)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     graphed.capture(lambda n: dummy_inputs(model, cache, n))
@@ -42,7 +42,7 @@ def _start(root, mode: str, model: torch.nn.Module | None = None):
     return model, cache, graphed, traced
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
+@pytest.mark.parametrize("mode", ["piecewise", "full", "auto"])
 def test_a_warm_start_loads_the_traced_program_without_dynamo_and_equals_eager(root, mode):
     model, cache, cold, cold_frames = _start(root, mode)
     first = cold.stats()["startup"]
@@ -53,7 +53,7 @@ def test_a_warm_start_loads_the_traced_program_without_dynamo_and_equals_eager(r
     assert (second["cache"], second["trace"], warm_frames) == ("warm", "loaded", 0)
     assert second["fx_graph_cache"]["fxgraph_cache_miss"] == 0  # the same code as the cold start compiled
     want = generate(model, PROMPTS, 5)
-    if mode == "piecewise":
+    if mode != "full":  # auto: the piecewise program
         assert generate(model, PROMPTS, 5, cache=warm_cache, prefill_fn=warm) == want
         assert generate(model, PROMPTS, 5, cache=cache, prefill_fn=cold) == want
     else:
