@@ -133,10 +133,15 @@ if has serve; then  # alone on the GPU: continuous batching, every mode, four co
 fi
 if has moe; then  # issue 23: the FP8 MoE preset (A2.7B shape) benched per mode, then served in FP8 and bf16
   MOE_MODEL=${MOE_MODEL:-qwen1.5-moe-a2.7b}
-  python3 -m piecegraph.cli bench --model "$MOE_MODEL" --quant fp8 --device cuda --attention flashinfer \
-    --modes "${MOE_MODES:-eager,breakable,piecewise,full-compiled,auto}" --batches "${BATCHES:-1,10,256,1024}" \
-    --prefill "${PREFILL:-16,512,2048}" --json "$OUT/moe_fp8_bench.json" 2>&1 | tee "$OUT/moe_bench.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # One process per group of modes (space-separated groups, commas within): a mode that loses the CUDA context
+  # (full-compiled did, in automatic opaque's probe after piecewise) cannot take the others with it. Each group
+  # writes moe_fp8_bench_<group>.json (the default's first group has the eager rows).
+  for group in ${MOE_MODES:-eager,breakable,piecewise full-compiled auto}; do
+    python3 -m piecegraph.cli bench --model "$MOE_MODEL" --quant fp8 --device cuda --attention flashinfer \
+      --modes "$group" --batches "${BATCHES:-1,10,256,1024}" --prefill "${PREFILL:-16,512,2048}" \
+      --json "$OUT/moe_fp8_bench_${group//,/-}.json" 2>&1 | tee -a "$OUT/moe_bench.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
   for quant in ${MOE_QUANTS:-fp8 bf16}; do
     python3 -m piecegraph.cli serve-bench --model "$MOE_MODEL" --quant "$quant" --device cuda --attention flashinfer \
       --modes "${MOE_SERVE_MODES:-auto}" --concurrency "${SERVE_CONC:-256,1024}" --requests "${SERVE_REQUESTS:-512,1024}" \
