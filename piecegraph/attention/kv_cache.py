@@ -123,16 +123,14 @@ class KVCache:
         Raises ``ValueError`` when a length exceeds ``max_seq_len`` and :class:`OutOfPagesError` when the free
         pages do not cover the whole request; in both cases no page table changes.
         """
-        needs: dict[Hashable, int] = {}  # first-seen order: pages are handed out in it
+        needs: dict[Hashable, int] = {}  # the sequences that grow, first-seen order: pages are handed out in it
         tables, ps, limit = self._tables, self.page_size, self.max_seq_len
         for seq, total in lengths:
             if total > limit:
                 raise ValueError(f"sequence {seq!r} would hold {total} tokens, beyond the KV cache's max_seq_len "
                                  f"{limit}; build the cache with a larger max_seq_len")
             need = -(-total // ps) - len(tables.get(seq, ()))
-            if need <= 0:
-                needs.setdefault(seq, 0)  # most decode rows: the last page has room
-            elif need > needs.get(seq, 0):
+            if need > 0 and need > needs.get(seq, 0):  # most decode rows need none: their last page has room
                 needs[seq] = need
         wanted = sum(needs.values())
         if wanted > len(self._free):
@@ -142,8 +140,6 @@ class KVCache:
                 "Free finished sequences (cache.free(seq)), run fewer sequences per step, or build a larger cache."
             )
         for seq, n in needs.items():
-            if not n:
-                continue
             table = self._tables.setdefault(seq, [])
             row = self._slot_for(seq)
             for _ in range(n):

@@ -120,6 +120,7 @@ class AttentionMetadata:
         if len(set(ids)) != len(ids):
             raise ValueError(f"sequence ids must be distinct within a step, got {ids}")
         capacity = cache.capacity
+        num_new, kv_lens = [], []  # built in the checking pass: one loop over 1000+ rows, not three
         for seq, cached, new in seqs:
             if not (isinstance(cached, int) and isinstance(new, int)) or cached < 0 or new < 1:
                 raise ValueError(f"sequence {seq!r}: need num_cached >= 0 and num_new >= 1 (ints), "
@@ -128,8 +129,9 @@ class AttentionMetadata:
                 raise ValueError(f"sequence {seq!r} claims {cached} cached tokens but holds pages for only "
                                  f"{capacity(seq)}; a sequence's earlier tokens must have gone through this cache "
                                  "(or reserve its pages first with cache.reserve([(seq, length)]))")
-        num_new = tuple(n for _, _, n in seqs)
-        kv_lens = tuple(c + n for _, c, n in seqs)
+            num_new.append(new)
+            kv_lens.append(cached + new)
+        num_new, kv_lens = tuple(num_new), tuple(kv_lens)
         cache.reserve(zip(ids, kv_lens))
         device_table = _has_device_table(cache)
         pages = tuple(map(cache.pages_view if device_table else cache.page_table, ids))
