@@ -19,7 +19,7 @@ from .graphs.breakable import build_breakable_program
 from .program import TokenCountMismatch
 from .runner import FlatRunner
 from .trace.backend import build_program, graph_memory, placeholder_facts
-from .trace.snapshot import GraphSnapshot, restore_graph, snapshot_graph
+from .trace.snapshot import GraphSnapshot, attribute_digest, check_fresh, restore_graph, snapshot_graph
 
 log = logging.getLogger("piecegraph")
 
@@ -46,6 +46,7 @@ class TraceSnapshot:
     graph: GraphSnapshot
     binding: BindingSnapshot
     static_inputs: tuple[str, ...]
+    attributes: str = ""  # trace/snapshot.py's attribute_digest of the model it was traced from
 
 
 def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, runners: list[FlatRunner],
@@ -119,16 +120,21 @@ def trace_snapshot(graph: GraphSnapshot | None, binding: Binding | None, model: 
     if graph is None or binding is None:
         return None
     bound = snapshot_binding(binding, model)
-    return None if bound is None else TraceSnapshot(graph, bound, tuple(config.static_inputs))
+    return None if bound is None else TraceSnapshot(graph, bound, tuple(config.static_inputs),
+                                                    attribute_digest(model))
 
 
 def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, runners: list[FlatRunner],
                verify_sizes: float | None = None, startup: Startup | None = None) -> Binding:
     """The program of ``snapshot`` built without Dynamo (its graph restored, split and compiled as a trace
     would be) and bound to ``model``; its runner is appended to ``runners`` and captures at once (no trace
-    call). ``LookupError`` when the model's tensors are not those snapshotted; the caller traces anew then."""
+    call). ``LookupError`` when the model's tensors are not those snapshotted, its plain attributes or a source
+    file the trace came from changed (what Dynamo's guards would have caught); the caller traces anew then."""
     startup = startup or Startup()
     start = time.perf_counter()
+    if attribute_digest(model) != snapshot.attributes:
+        raise LookupError("the model's attributes (numbers, flags, strings) changed since it was traced")
+    check_fresh(snapshot.graph)
     binding = restore_binding(snapshot.binding, model)
     gm, fakes = restore_graph(snapshot.graph)
     startup.trace_s += time.perf_counter() - start

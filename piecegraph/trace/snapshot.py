@@ -10,6 +10,13 @@ trace). :func:`restore_graph` rebuilds the fakes in a fresh shape env and propag
 cold start that can snapshot builds its program from the restored graph too, so a warm start compiles exactly
 what the cold one did (same code, same symbol names: Inductor's caches hit).
 
+A warm start runs no Dynamo, so none of Dynamo's guards either: what the trace specialised on must be checked
+some other way. The cache key covers the model's classes' code, its config, parameter shapes and versions; on top,
+the snapshot keeps a sha256 of every source file a node's stack trace names (a helper or a module-level constant
+edited in any file that produced graph ops) and of the model's plain attributes (``layer.scale = 2.0`` set after
+construction); :func:`check_fresh` refuses a snapshot when either moved. Not seen: a constant imported from a
+file that made no graph op into one that did; clear the cache (``piecegraph cache clear``) after editing such.
+
 Only what the snapshot can state exactly is snapshotted: a dynamic trace whose placeholders are SymInts that
 are token symbols, or contiguous tensors whose sizes are integers or token symbols, and no ``get_attr`` state.
 Anything else returns ``None`` (the start traces with Dynamo, as without a cache).
@@ -17,8 +24,11 @@ Anything else returns ``None`` (the start traces with Dynamo, as without a cache
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import pickle
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +60,7 @@ class GraphSnapshot:
     placeholders: list[Placeholder]
     hints: dict[str, int]
     node_meta: bytes = b""  # per node in order: (op, target, {"nn_module_stack": ..., "stack_trace": ...}), pickled
+    files: dict[str, str] = field(default_factory=dict)  # each source file the stack traces name: its sha256
     format: int = FORMAT
 
 
@@ -95,7 +106,49 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
         node_meta = pickle.dumps(kept)
     except Exception:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
         return None
-    return GraphSnapshot(code, placeholders, hints, node_meta)
+    paths = {path for _, _, meta in kept for path in _FILE.findall(meta.get("stack_trace") or "")}
+    return GraphSnapshot(code, placeholders, hints, node_meta, {path: _file_digest(path) for path in sorted(paths)})
+
+
+_FILE = re.compile(r'File "([^"]+)", line \d+')
+
+
+def _file_digest(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return "unreadable"
+
+
+def attribute_digest(model: torch.nn.Module) -> str:
+    """sha256 of every module's plain attributes (numbers, strings, flags, dtypes and containers of them): what
+    Dynamo would have guarded on and baked in, set on the instances rather than in the code or config."""
+    h = hashlib.sha256()
+    for name, module in model.named_modules():
+        for key, value in sorted(vars(module).items()):
+            text = _plain(value)
+            if text is not None:
+                h.update(f"{name}.{key}={text}\n".encode())
+    return h.hexdigest()
+
+
+def _plain(value: object) -> str | None:
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, enum.Enum)):
+        return repr(value)
+    if isinstance(value, (tuple, list, frozenset, set)):
+        items = [_plain(v) for v in value]
+        if any(i is None for i in items):
+            return None
+        return f"{type(value).__name__}({', '.join(sorted(items) if isinstance(value, (set, frozenset)) else items)})"
+    return None
+
+
+def check_fresh(snapshot: GraphSnapshot) -> None:
+    """``LookupError`` naming a source file the trace came from that changed since (or is gone)."""
+    for path, digest in snapshot.files.items():
+        if _file_digest(path) != digest:
+            raise LookupError(f"{path} changed since the program was traced")
 
 
 def _live_copy(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -194,3 +194,74 @@ def test_a_hugging_face_decoder_loads_its_traced_program_and_equals_hf(root, mod
         assert max(rel(a, b) for a, b in zip(got, expected)) < 1e-5
         traces.append(graphed.stats()["startup"]["trace"])
     assert traces == ["traced", "loaded"]
+
+
+def _toy_start(root, model, x, n):
+    graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(4, 8), emulate_graphs=True, cache_dir=root)
+    with forward_context({"n": n}), torch.no_grad():
+        out, want = graphed(x, torch.arange(n)), model(x, torch.arange(n))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # the independent reference: eager, as it is now
+    return graphed.stats()["startup"]["trace"]
+
+
+def test_an_attribute_the_trace_baked_in_that_changed_is_traced_anew(root, caplog):
+    """Dynamo guards on ``self.scale``; a warm start runs no Dynamo, so the snapshot checks the model's plain
+    attributes itself: a changed one is never loaded with the old value baked in."""
+    model, x = Tagged(0.5, 2).eval(), torch.randn(5, 16)
+    assert _toy_start(root, model, x, 5) == "traced"
+    assert _toy_start(root, model, x, 5) == "loaded"
+    model.scale = 3.0  # set on the instance: neither the code nor a config the cache key reads
+    with caplog.at_level(logging.WARNING, logger="piecegraph"):
+        assert _toy_start(root, model, x, 5) == "traced"  # (and equal to eager with 3.0: checked inside)
+    assert "attributes" in caplog.text and "changed since it was traced" in caplog.text
+
+
+SOURCE = '''
+import torch
+from toy import ToyModel
+
+SHIFT = {shift}
+
+
+class Shifted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ToyModel(dim=16, layers=1, seed=4)
+
+    def forward(self, x, pos):
+        return self.inner(x + SHIFT, pos)
+'''
+
+
+def test_a_source_file_the_trace_came_from_that_changed_is_traced_anew(root, tmp_path, monkeypatch):
+    """A module-level constant edited in the model's file: the class's code (in the cache key) is the same, the
+    file is not; its digest in the snapshot sends the start back to Dynamo."""
+    import importlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = torch.randn(3, 16)
+    results = []
+    for shift in (1.0, 1.0, 2.0):
+        (tmp_path / "shifted_model.py").write_text(SOURCE.format(shift=shift))
+        sys.modules.pop("shifted_model", None)
+        importlib.invalidate_caches()
+        model = importlib.import_module("shifted_model").Shifted().eval()
+        results.append(_toy_start(root, model, x, 3))
+    assert results == ["traced", "loaded", "traced"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(scales=st.lists(st.sampled_from([0.5, 3.0]), min_size=2, max_size=4))
+def test_starts_follow_attribute_changes_and_always_equal_eager(root, scales):
+    """Property: whatever the sequence of ``scale`` values across starts, every start equals eager (checked in
+    _toy_start), and a start loads the cached program exactly when the previous start had the same value (the
+    entry holds the last traced program)."""
+    model, x = Tagged(scales[0], 3).eval(), torch.randn(6, 16)
+    previous = None
+    for scale in scales:
+        model.scale = scale
+        trace = _toy_start(root, model, x, 6)
+        if previous is not None:
+            assert trace == ("loaded" if scale == previous else "traced"), (scales, scale, previous)
+        previous = scale
