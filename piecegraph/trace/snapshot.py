@@ -122,9 +122,13 @@ def _file_digest(path: str) -> str:
 
 
 def attribute_digest(model: torch.nn.Module) -> str:
-    """sha256 of every module's plain attributes (numbers, strings, flags, dtypes and containers of them): what
-    Dynamo would have guarded on and baked in, set on the instances rather than in the code or config."""
+    """sha256 of every module's plain attributes (numbers, strings, flags, dtypes and containers of them) and of
+    the global state a trace bakes in (default dtype, autocast): what Dynamo would have guarded on, set on the
+    instances or the process rather than in the code or config."""
     h = hashlib.sha256()
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")] \
+        if hasattr(torch, "get_autocast_dtype") else [torch.is_autocast_enabled()]
+    h.update(repr((torch.get_default_dtype(), autocast)).encode())
     for name, module in model.named_modules():
         for key, value in sorted(vars(module).items()):
             text = _plain(value)
