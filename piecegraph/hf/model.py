@@ -121,6 +121,9 @@ class HFDecoder(torch.nn.Module):
         # hf is as it was: its training flags, its attention modules' configs
     """
 
+    # Bookkeeping the forward never reads: a cached trace's attribute check (trace/snapshot.py) skips it
+    piecegraph_not_traced = ("owns_wrap",)
+
     def __init__(self, model: torch.nn.Module, max_seq_len: int | None = None,
                  attention_backend: str = "auto") -> None:
         super().__init__()

@@ -130,8 +130,9 @@ def attribute_digest(model: torch.nn.Module) -> str:
         if hasattr(torch, "get_autocast_dtype") else [torch.is_autocast_enabled()]
     h.update(repr((torch.get_default_dtype(), autocast)).encode())
     for name, module in model.named_modules():
+        skip = getattr(type(module), "piecegraph_not_traced", ())  # a class's bookkeeping no forward reads
         for key, value in sorted(vars(module).items()):
-            text = _plain(value)
+            text = None if key in skip else _plain(value)
             if text is not None:
                 h.update(f"{name}.{key}={text}\n".encode())
     return h.hexdigest()
