@@ -13,8 +13,9 @@ what the cold one did (same code, same symbol names: Inductor's caches hit).
 A warm start runs no Dynamo, so none of Dynamo's guards either: what the trace specialised on must be checked
 some other way. The cache key covers the model's classes' code, its config, parameter shapes and versions; on top,
 the snapshot keeps a sha256 of every source file a node's stack trace names (a helper or a module-level constant
-edited in any file that produced graph ops) and of the model's plain attributes (``layer.scale = 2.0`` set after
-construction); :func:`check_fresh` refuses a snapshot when either moved. Not seen: a constant imported from a
+edited in any file that produced graph ops; :func:`check_fresh`), and the trace's snapshot a digest of the
+model's plain attributes (``layer.scale = 2.0`` set after construction) and of the global state a trace bakes in
+(:func:`attribute_digest`, compared by :func:`piecegraph.build.load_trace`). Not seen: a constant imported from a
 file that made no graph op into one that did; clear the cache (``piecegraph cache clear``) after editing such.
 
 Only what the snapshot can state exactly is snapshotted: a dynamic trace whose placeholders are SymInts that
@@ -99,6 +100,8 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
         else:
             return None
         placeholders.append(entry)
+    if not hints:  # a static trace: its token count is read off Dynamo's sources, which a snapshot does not keep
+        return None
     graph = _live_copy(gm.graph)
     kept = [(n.op, _target(n), {k: n.meta[k] for k in _KEPT_META if k in n.meta}) for n in graph.nodes]
     try:

@@ -265,3 +265,16 @@ def test_starts_follow_attribute_changes_and_always_equal_eager(root, scales):
         if previous is not None:
             assert trace == ("loaded" if scale == previous else "traced"), (scales, scale, previous)
         previous = scale
+
+
+def test_only_a_dynamic_trace_is_snapshotted():
+    """A static trace's token count is read off Dynamo's sources, which a snapshot does not keep: not taken."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from piecegraph.trace.snapshot import snapshot_graph
+
+    gm = torch.fx.symbolic_trace(lambda a: a * 2)
+    with FakeTensorMode():
+        fake = torch.empty(4, 8)
+    assert snapshot_graph(gm, [fake], ["L['kwargs']['a']"], [False]) is None
+    assert snapshot_graph(gm, [torch.empty(4, 8)], ["L['kwargs']['a']"], [False]) is None  # not a fake at all
