@@ -34,6 +34,11 @@ class _RegistrationHooks:
         self.live.add(watch)
 
     def _on_registration(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        # A registration inside a forward Dynamo traces (a model that registers a buffer on first use) is the
+        # trace's own: Dynamo would inline this loop and guard on the weak set's members by position, and a watch
+        # collected before the guards are built failed the whole trace (IndexError in a guard).
+        if torch.compiler.is_compiling():
+            return
         for watch in list(self.live):
             watch.registered(module)
 
