@@ -99,8 +99,7 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
 def _through_snapshot(gm: torch.fx.GraphModule, example_inputs: list[Any], snapshots: list[GraphSnapshot | None]
                       ) -> tuple[torch.fx.GraphModule, list[Any]]:
     """``gm`` snapshotted and restored (appending the snapshot), or as it is when it cannot be (appending None)."""
-    fakes, sources, state = placeholder_facts(gm)
-    snapshot = snapshot_graph(gm, fakes, sources, state) if fakes and all(f is not None for f in fakes) else None
+    snapshot = snapshot_graph(gm, *placeholder_facts(gm))
     if snapshot is not None:
         try:
             restored, restored_fakes = restore_graph(snapshot)

@@ -54,12 +54,6 @@ def packer_of(spec: tuple[str, Any]) -> Callable[[tuple[Any, ...]], Any]:
     return lambda outs: container(outs[i] for i in where)
 
 
-def packer(result: Any, outputs: tuple[Any, ...] | None) -> Callable[[tuple[Any, ...]], Any] | None:
-    """How to rebuild ``result`` (a tensor, or a tuple or list of tensors) from the program's flat ``outputs``."""
-    spec = pack_spec(result, outputs)
-    return None if spec is None else packer_of(spec)
-
-
 def side_outputs(result: Any, outputs: tuple[Any, ...]) -> bool:
     """Whether the graph returns tensors that are not part of the model's result: Dynamo's side effects (a
     buffer re-assigned in forward), which only its own compiled code applies."""

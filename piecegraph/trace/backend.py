@@ -177,15 +177,16 @@ def _compile_pieces(
                     compiled[target] = compiled[twin]
                     if twin in static:
                         static[target] = static[twin]
-                    return super().call_module(target, args, kwargs)
-                log.debug("piecegraph: compiling %s", target)
-                single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
-                compiled[target] = _compile_piece(sub, list(args), config.compiler)
-                if sizes:
-                    static[target], took = compile_static(sub, list(args), token_symbols, sizes, target, single)
-                    seconds[0] += took
-                if key is not None:
-                    done[key] = target
+                else:
+                    log.debug("piecegraph: compiling %s", target)
+                    single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
+                    compiled[target] = _compile_piece(sub, list(args), config.compiler)
+                    if sizes:
+                        static[target], took = compile_static(sub, list(args), token_symbols, sizes, target,
+                                                              single)
+                        seconds[0] += took
+                    if key is not None:
+                        done[key] = target
             return super().call_module(target, args, kwargs)
 
     # Under the Python dispatcher, as Dynamo and AOTAutograd run graphs on fakes: without it a C++ composite

@@ -180,6 +180,12 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
     if snapshot.format != FORMAT:
         raise ValueError(f"a graph snapshot of format {snapshot.format}, not {FORMAT}")
     gm = pickle.loads(snapshot.code)
+    # FX names the regenerated nodes anew (after their targets, not Dynamo's variables): match them by position,
+    # and refuse a graph that did not come back node for node (before any fake is propagated through it).
+    kept = pickle.loads(snapshot.node_meta)
+    nodes = list(gm.graph.nodes)
+    if [(op, target) for op, target, _ in kept] != [(n.op, _target(n)) for n in nodes]:
+        raise ValueError("the graph did not come back from its code node for node")
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     symbols: dict[str, Any] = {}
@@ -197,18 +203,12 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
             fakes.append(torch.empty(shape, dtype=entry.dtype, device=entry.device).requires_grad_(
                 entry.requires_grad))
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, entry, fake in zip(nodes, snapshot.placeholders, fakes):
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for node, entry, fake in zip(placeholders, snapshot.placeholders, fakes):
         node.meta["example_value"] = fake
         node.meta["grapharg"] = _Arg(_Source(entry.source))
         if entry.module_state:
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
-    # FX names the regenerated nodes anew (after their targets, not Dynamo's variables): match them by position,
-    # and refuse a graph that did not come back node for node.
-    kept = pickle.loads(snapshot.node_meta)
-    nodes = list(gm.graph.nodes)
-    if [(op, target) for op, target, _ in kept] != [(n.op, _target(n)) for n in nodes]:
-        raise ValueError("the graph did not come back from its code node for node")
     for node, (_, _, meta) in zip(nodes, kept):
         node.meta.update(meta)
         if node.op != "placeholder" and "val" in node.meta:
