@@ -1,5 +1,7 @@
 """Prometheus metrics in the text exposition format, written by hand: a dozen series need no dependency and no
-process-global registry (each server owns its :class:`Metrics`)."""
+process-global registry (each server owns its :class:`Metrics`). With several front-end processes
+(``--api-servers``) each keeps its own and ``/metrics`` adds the others' latest snapshots (``peers``), so a scrape
+that reaches any of them sees the whole server."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ SERIES = {
     "piecegraph_kv_pages_total": ("gauge", "KV-cache pages sequences can use (the scratch page excluded)."),
 }
 
+# Gauges each front-end process holds its own share of (summed over front ends); the KV pages are the engine's.
+FRONT_END_GAUGES = ("piecegraph_requests_waiting", "piecegraph_requests_running")
+
 
 class _Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
@@ -38,6 +43,16 @@ class _Histogram:
             self.counts[i] += times
         self.sum += value * times
         self.count += times
+
+    def add(self, counts: list[int], total: float, count: int) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, counts)]
+        self.sum += total
+        self.count += count
+
+    def copy(self) -> "_Histogram":
+        other = _Histogram(self.buckets)
+        other.add(self.counts, self.sum, self.count)
+        return other
 
     def lines(self, name: str) -> Iterable[str]:
         total = 0
@@ -51,13 +66,15 @@ class _Histogram:
 
 class Metrics:
     """Counters, gauges and histograms of :data:`SERIES`; thread-safe (the engine loop and the HTTP handlers both
-    write). ``gauges``: a callable read at each scrape that returns current gauge values by series name."""
+    write). ``gauges``: a callable read at each scrape that returns current gauge values by series name.
+    ``peers``: a callable returning the other front-end processes' :meth:`snapshot` dicts, added in at render."""
 
-    def __init__(self, gauges: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, gauges: Callable[[], dict[str, float]] | None = None,
+                 peers: Callable[[], list[dict]] | None = None) -> None:
         self._lock = threading.Lock()
         self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._hists = {name: _Histogram(LATENCY_BUCKETS) for name, (kind, _) in SERIES.items() if kind == "histogram"}
-        self.gauges = gauges
+        self.gauges, self.peers = gauges, peers
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         key = (self._known(name), tuple(sorted(labels.items())))
@@ -74,20 +91,38 @@ class Metrics:
         with self._lock:
             return self._values.get((name, tuple(sorted(labels.items()))), 0.0)
 
-    def render(self) -> str:
-        """The exposition text (``text/plain; version=0.0.4``)."""
+    def snapshot(self) -> dict:
+        """This process's series as plain data (JSON-able): counters, histograms, and the front-end gauges."""
         gauges = self.gauges() if self.gauges else {}
-        out: list[str] = []
         with self._lock:
-            for name, (kind, help_text) in SERIES.items():
-                out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-                if kind == "histogram":
-                    out += self._hists[name].lines(name)
-                elif name in gauges:
-                    out.append(f"{name} {gauges[name]}")
-                else:
-                    rows = [(labels, v) for (n, labels), v in sorted(self._values.items()) if n == name]
-                    out += [f"{name}{_labels(labels)} {v:g}" for labels, v in rows]
+            return {"values": [[name, [list(kv) for kv in labels], v] for (name, labels), v in self._values.items()],
+                    "hists": {name: [h.counts, h.sum, h.count] for name, h in self._hists.items()},
+                    "gauges": {name: gauges[name] for name in FRONT_END_GAUGES if name in gauges}}
+
+    def render(self) -> str:
+        """The exposition text (``text/plain; version=0.0.4``), the peers' snapshots added in."""
+        gauges = dict(self.gauges() if self.gauges else {})
+        peers = self.peers() if self.peers else []
+        with self._lock:
+            values, hists = dict(self._values), {name: h.copy() for name, h in self._hists.items()}
+        for peer in peers:
+            for name, labels, v in peer["values"]:
+                key = (name, tuple(tuple(kv) for kv in labels))
+                values[key] = values.get(key, 0.0) + v
+            for name, (counts, total, count) in peer["hists"].items():
+                hists[name].add(counts, total, count)
+            for name, value in peer["gauges"].items():
+                gauges[name] = gauges.get(name, 0) + value
+        out: list[str] = []
+        for name, (kind, help_text) in SERIES.items():
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            if kind == "histogram":
+                out += hists[name].lines(name)
+            elif name in gauges:
+                out.append(f"{name} {gauges[name]}")
+            else:
+                rows = [(labels, v) for (n, labels), v in sorted(values.items()) if n == name]
+                out += [f"{name}{_labels(labels)} {v:g}" for labels, v in rows]
         return "\n".join(out) + "\n"
 
     @staticmethod

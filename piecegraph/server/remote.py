@@ -4,7 +4,9 @@ In one process the handlers' per-token work (detokenizing, JSON, socket writes) 
 work for the GIL, and the engine is host-bound on a GPU, so every microsecond the front end spends is lost
 throughput. Here the child process runs an :class:`~piecegraph.server.loop.EngineLoop` whose sink pickles each
 iteration's events (ids, new token ids, finish) as ONE message onto a pipe. The front end keeps the same interface
-(``submit``, ``abort``, ``load``, ``close``).
+(``submit``, ``abort``, ``load``, ``close``). Several front-end processes can share one engine process
+(``piecegraph serve --api-servers N``): each has its own pipe pair, and the child routes each request's events to
+the front end that sent it (:mod:`piecegraph.server.engine_child`).
 
 No thread sits between the two loops, because every thread hop costs a wake-up and, worse, a wait for the GIL
 (up to the 5 ms switch interval when the other thread is busy: that was the extra TTFT at concurrency 1 and the
@@ -20,19 +22,17 @@ import itertools
 import logging
 import multiprocessing
 import os
-import queue
 import select
 import struct
 import threading
 import time
-import traceback
-from collections import Counter, deque
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
 
 from piecegraph.serve.request import SamplingParams
+from piecegraph.server.engine_child import engine_main
 from piecegraph.server.loop import Closed, Event, QueueFull, Ticket, post_events
 
 log = logging.getLogger("piecegraph.server")
@@ -41,18 +41,32 @@ log = logging.getLogger("piecegraph.server")
 class ProcessEngineLoop:
     """An engine built by ``factory()`` (a picklable callable: the child imports and calls it) in a spawned child
     process. :meth:`start` blocks until the engine is built and its graphs captured, then :attr:`info` holds its
-    limits (``max_seq_len``, ``vocab_size``, ``max_num_seqs``, ``setup_s``). ``max_pending`` and ``metrics`` as
-    for :class:`~piecegraph.server.loop.EngineLoop`. :meth:`submit` and :meth:`abort` run on one asyncio loop
-    (the first to submit reads the events; tickets of another loop get theirs thread-safely through it, so that
-    loop must keep running); :meth:`close` runs off that loop (``asyncio.to_thread``) or after it stopped."""
+    limits (``max_seq_len``, ``vocab_size``, ``max_num_seqs``, ``num_pages``, ``setup_s``). ``max_pending`` and
+    ``metrics`` as for :class:`~piecegraph.server.loop.EngineLoop`. :meth:`submit` and :meth:`abort` run on one
+    asyncio loop (the first to submit reads the events; tickets of another loop get theirs thread-safely through
+    it, so that loop must keep running); :meth:`close` runs off that loop (``asyncio.to_thread``) or after it
+    stopped. ``frontends``: how many front-end processes the engine serves; this object is front end 0, and
+    :attr:`peer_channels` holds the other front ends' pipe ends, each for :meth:`attach` in its own process."""
 
-    def __init__(self, factory: Callable[[], Any], *, max_pending: int | None = None, metrics: Any = None) -> None:
-        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked; spawn also starts the child clean
-        self._cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
-        self._ev_recv, self._ev_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(factory, self._cmd_recv, self._ev_send, torch.get_num_threads()),
-                                 name="piecegraph-engine", daemon=True)
-        self.max_pending, self.metrics = max_pending or 0, metrics
+    def __init__(self, factory: Callable[[], Any] | None, *, max_pending: int | None = None, metrics: Any = None,
+                 frontends: int = 1) -> None:
+        if frontends < 1:
+            raise ValueError(f"frontends={frontends!r} must be >= 1")
+        self.max_pending, self.metrics, self.index = max_pending or 0, metrics, 0
+        self.peer_channels: list[tuple[Any, Any]] = []
+        self._proc = None
+        if factory is not None:
+            ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked; spawn also starts the child clean
+            ours, theirs = [], []
+            for _ in range(frontends):
+                cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+                ev_recv, ev_send = ctx.Pipe(duplex=False)
+                ours.append((cmd_send, ev_recv))
+                theirs.append((cmd_recv, ev_send))
+            (self._cmd_send, self._ev_recv), self.peer_channels = ours[0], ours[1:]
+            self._child_ends = theirs
+            self._proc = ctx.Process(target=engine_main, args=(factory, theirs, torch.get_num_threads()),
+                                     name="piecegraph-engine", daemon=True)
         self.info: dict[str, Any] = {}
         self._tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()  # guards _tickets and _pending (the command pipe has its own)
@@ -65,25 +79,43 @@ class ProcessEngineLoop:
         self.finished_at_close: list[str] = []
         self.aborted_at_close: list[str] = []
 
+    @classmethod
+    def attach(cls, channel: tuple[Any, Any], info: dict[str, Any], index: int, *, max_pending: int | None = None,
+               metrics: Any = None) -> "ProcessEngineLoop":
+        """Front end ``index`` (>= 1) in its own process, on ``channel`` (one of front end 0's
+        :attr:`peer_channels`) to the running engine process whose ready ``info`` front end 0 got. Its request
+        ids carry the index, so they are unique across front ends."""
+        loop = cls(None, max_pending=max_pending, metrics=metrics)
+        loop.index, (loop._cmd_send, loop._ev_recv) = index, channel
+        loop._ready(info)
+        return loop
+
     def start(self) -> None:
         """Start the child and wait until its engine is ready; raises ``RuntimeError`` with the child's error."""
         self._proc.start()
-        self._cmd_recv.close()
-        self._ev_send.close()
-        self._cmd = _CommandWriter(self._cmd_send)
+        for cmd_recv, ev_send in self._child_ends:  # the child holds its own copies now
+            cmd_recv.close()
+            ev_send.close()
         try:
             kind, payload = self._ev_recv.recv()
         except EOFError:
             raise RuntimeError(f"the engine process exited (code {self._proc.exitcode}) before it was ready") from None
         if kind != "ready":
             raise RuntimeError(f"the engine process failed to start:\n{payload}")
-        self.info = payload
-        self.max_pending = self.max_pending or 4 * payload["max_num_seqs"]
-        self._snapshot = {"used": 0, "total": payload["num_pages"] - 1}
+        for _, ev_recv in self.peer_channels:  # the other front ends' ready messages carry the same info
+            ev_recv.recv()
+        self._ready(payload)
+
+    def _ready(self, info: dict[str, Any]) -> None:
+        self._cmd = _CommandWriter(self._cmd_send)
+        self.info = info
+        self.max_pending = self.max_pending or 4 * info["max_num_seqs"]
+        self._snapshot = {"used": 0, "total": info["num_pages"] - 1}
 
     @property
     def alive(self) -> bool:
-        return not self._eof and not self._closed.is_set() and self._proc.is_alive()
+        child = self._proc is None or self._proc.is_alive()  # an attached front end learns of it by EOF
+        return not self._eof and not self._closed.is_set() and child
 
     def submit(self, prompt: list[int], params: SamplingParams, *, prefix: str = "req") -> Ticket:
         """As :meth:`EngineLoop.submit <piecegraph.server.loop.EngineLoop.submit>`."""
@@ -93,7 +125,8 @@ class ProcessEngineLoop:
         if self._aloop is None:
             self._aloop = aloop
             aloop.add_reader(self._ev_recv.fileno(), self._on_readable)
-        ticket = Ticket(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue(), aloop)
+        tag = f"{self.index}x" if self.index else ""  # unique across front ends
+        ticket = Ticket(f"{prefix}-{tag}{next(self._ids)}", prompt, params, asyncio.Queue(), aloop)
         with self._lock:
             if self._pending >= self.max_pending:
                 raise QueueFull(f"{self._pending} requests are in flight, the most this server admits")
@@ -134,10 +167,11 @@ class ProcessEngineLoop:
                 if readable and self._ev_recv.poll():
                     self._read_one()
             self._fail_left()
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop; terminating it")
-            self._proc.terminate()
+        if self._proc is not None:
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                log.warning("the engine process did not stop; terminating it")
+                self._proc.terminate()
         if self.finished_at_close:
             log.info("finished during shutdown: %s", ", ".join(self.finished_at_close))
         if self.aborted_at_close:
@@ -275,103 +309,3 @@ def _running_on(aloop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is aloop
     except RuntimeError:
         return False
-
-
-class _KindCounter:
-    """Stands in for metrics in the child: counts steps by kind until the next event batch takes them."""
-
-    def __init__(self) -> None:
-        self.kinds: Counter = Counter()
-
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        self.kinds[labels.get("kind", "unknown")] += int(value)
-
-    def take(self) -> dict[str, int]:
-        out, self.kinds = dict(self.kinds), Counter()
-        return out
-
-
-class _PipeInbox:
-    """The child's :class:`EngineLoop` inbox, read by the engine thread straight from the command pipe (``get`` /
-    ``get_nowait`` as ``queue.SimpleQueue``'s): no thread in between, so a command never waits for the GIL.
-    ``close`` sets a drain deadline: ``stop`` once the loop is idle or the deadline passed (once; after it, what
-    is still in the pipe is handed over, so requests that raced the close are aborted as in-process); EOF (the
-    server process died) stops at once."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn, self.local = conn, deque()
-        self.loop: Any = None  # the EngineLoop reading this inbox (set once it is built)
-        self.deadline: float | None = None
-        self.stopping = False
-
-    def put(self, item: tuple) -> None:
-        self.local.append(item)
-
-    def get_nowait(self) -> tuple:
-        return self.get(0.0)
-
-    def get(self, timeout: float = 0.0) -> tuple:
-        if self.local:
-            return self.local.popleft()
-        if self.deadline is not None and not self.stopping:
-            now = time.monotonic()
-            if self.loop.stopped or now >= self.deadline:
-                self.stopping = True
-                return ("stop", None)
-            timeout = min(timeout, self.deadline - now)
-        try:
-            if not self.conn.poll(timeout):
-                raise queue.Empty
-            message = self.conn.recv()
-        except (EOFError, OSError):
-            if self.stopping:
-                raise queue.Empty from None
-            self.deadline, self.stopping = 0.0, True
-            return ("stop", None)
-        kind = message[0]
-        if kind == "add":  # through the loop's own methods, which put their command here
-            self.loop.enqueue(Ticket(message[1], message[2], message[3]))
-        elif kind == "abort":
-            self.loop.abort_id(message[1])
-        else:
-            self.loop.begin_close()  # begin_close, or close (with its drain)
-            if kind == "close":
-                self.deadline = time.monotonic() + message[1]
-        return self.local.popleft() if self.local else ("wake", None)
-
-
-def _child(factory: Callable[[], Any], commands: Any, events: Any, threads: int) -> None:
-    """The engine process: build the engine, then run its loop on this thread until told to close."""
-    import signal
-
-    from piecegraph.server.loop import EngineLoop
-
-    # Ctrl-C reaches the whole process group: the server process drains and then tells this one to close.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    try:
-        engine = factory()
-    except BaseException:  # noqa: BLE001  (the parent shows the child's error and exits)
-        events.send(("failed", traceback.format_exc()))
-        return
-    cache, kinds = engine.cache, _KindCounter()
-
-    def send(payload: list[tuple]) -> None:
-        snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
-        events.send(("events", payload, snapshot, kinds.take()))
-
-    def sink(batch: list[tuple[Ticket, Event]]) -> None:
-        send([(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch])
-
-    def step_sink(rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
-        send([(t.id, ids, reason, None, False) for t, ids, reason in rows])  # the server stamps its own time
-
-    inbox = _PipeInbox(commands)
-    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink, inbox=inbox,
-                                   step_sink=step_sink)  # the parent admits
-    config = engine.config
-    events.send(("ready", {"max_seq_len": config.max_seq_len or engine.model.config.max_seq_len,
-                           "vocab_size": engine.model.config.vocab_size, "max_num_seqs": config.max_num_seqs,
-                           "num_pages": cache.num_pages, "setup_s": engine.setup_s}))
-    loop.run()  # on this thread: it reads the command pipe itself (see _PipeInbox)
-    events.send(("closed", loop.finished_at_close, loop.aborted_at_close))

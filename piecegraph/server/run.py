@@ -3,7 +3,6 @@ background thread (tests, notebooks)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any, Callable
@@ -30,15 +29,17 @@ def build_state(engine: Engine, tokenizer: Tokenizer, model_name: str, *, max_pe
 
 
 def build_process_state(factory: Callable[[], Engine], tokenizer_for: Callable[[int], Tokenizer], model_name: str, *,
-                        max_pending: int | None = None, drain_s: float = 30.0) -> Any:
+                        max_pending: int | None = None, drain_s: float = 30.0, frontends: int = 1) -> Any:
     """As :func:`build_state`, with the engine built by ``factory`` (picklable) in its own process
     (:class:`~piecegraph.server.remote.ProcessEngineLoop`); blocks until it is ready. ``tokenizer_for(vocab_size)``
-    gives the tokenizer once the engine says its vocabulary."""
+    gives the tokenizer once the engine says its vocabulary. ``frontends`` > 1: the engine also serves that many
+    minus one more front-end processes, which :class:`BackgroundServer` or the CLI start
+    (:class:`~piecegraph.server.frontends.FrontEnds`)."""
     from piecegraph.server.app import ServerState
     from piecegraph.server.remote import ProcessEngineLoop
 
     metrics = Metrics()
-    loop = ProcessEngineLoop(factory, max_pending=max_pending, metrics=metrics)
+    loop = ProcessEngineLoop(factory, max_pending=max_pending, metrics=metrics, frontends=frontends)
     loop.start()
     metrics.gauges = loop.load
     info = loop.info
@@ -69,13 +70,22 @@ def http_stack() -> tuple[str, str | None]:
     return f"{loop} + {parser}", hint
 
 
-def draining_server(state: Any, config: Any) -> Any:
+def draining_server(state: Any, config: Any, on_started: Callable[[], Any] | None = None,
+                    on_shutdown: Callable[[], Any] | None = None) -> Any:
     """A ``uvicorn.Server`` that tells the engine loop when shutdown starts (new requests get 503, requests that
-    finish while connections drain are logged), before uvicorn waits for the open connections."""
+    finish while connections drain are logged), before uvicorn waits for the open connections. ``on_started``
+    runs once it listens, ``on_shutdown`` when its shutdown starts (front end 0 signals the other front ends)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if on_started is not None and not self.should_exit:
+                on_started()
+
         async def shutdown(self, sockets: Any = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
             state.loop.begin_close()
             await super().shutdown(sockets)
 
@@ -84,24 +94,31 @@ def draining_server(state: Any, config: Any) -> Any:
 
 class BackgroundServer:
     """Serve ``state`` on ``127.0.0.1`` at a free port on a daemon thread: ``with BackgroundServer(state) as s:``
-    then ``s.url`` (``http://127.0.0.1:PORT``). Leaving the block shuts down gracefully (``state.drain_s``)."""
+    then ``s.url`` (``http://127.0.0.1:PORT``). Leaving the block shuts down gracefully (``state.drain_s``).
+    A process engine built with ``frontends`` > 1 gets its other front-end processes on the same port."""
 
     def __init__(self, state: Any, *, log_level: str = "warning") -> None:
         from piecegraph.server.app import create_app
+        from piecegraph.server.frontends import listening_socket
 
-        self.state = state
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))  # the kernel picks a free port: no race with other tests
+        self.state, self.frontends = state, None
+        several = bool(getattr(state.loop, "peer_channels", None))
+        self._sock = listening_socket("127.0.0.1", 0, reuse_port=several)  # a free port: no race with other tests
         self.port = self._sock.getsockname()[1]
+        if several:
+            from piecegraph.server.frontends import FrontEnds
+
+            self.frontends = FrontEnds(state, "127.0.0.1", self.port, log_level=log_level)
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn_config(create_app(state), host="127.0.0.1", port=self.port, drain_s=state.drain_s,
                                 log_level=log_level)
-        self.server = draining_server(state, config)
+        self.server = draining_server(state, config, on_shutdown=self.frontends and self.frontends.signal)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name="uvicorn")
 
     def __enter__(self) -> "BackgroundServer":
+        if self.frontends is not None:
+            self.frontends.start()
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -114,6 +131,8 @@ class BackgroundServer:
         self.stop()
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.should_exit = True  # its shutdown signals the other front ends (the engine waits for all)
+        if self.frontends is not None:
+            self.frontends.stop()
         self._thread.join(timeout=self.state.drain_s + 30)
         self._sock.close()

@@ -296,6 +296,39 @@ def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag
     assert seen["config"].cache_dir is expected
 
 
+def test_serve_api_servers_reach_the_engine_process_and_bad_ones_are_refused(monkeypatch):
+    """--api-servers N gives the engine process N front ends; with --engine-thread it is refused naming the
+    option; a port already taken fails before the engine's start-up, naming --port."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from piecegraph.cli import app
+    from piecegraph.server import run
+
+    seen = {}
+
+    def stop(factory, *args, **kwargs):
+        seen["frontends"] = kwargs["frontends"]
+        raise SystemExit(0)
+
+    monkeypatch.setattr(run, "build_process_state", stop)
+    base = ["serve", "--model", "tiny", "--device", "cpu", "--port", "0"]
+    result = CliRunner().invoke(app, [*base, "--api-servers", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen["frontends"] == 3
+    result = CliRunner().invoke(app, [*base])
+    assert result.exit_code == 0 and seen["frontends"] == 1  # the default on CPU
+    result = CliRunner().invoke(app, [*base, "--api-servers", "2", "--engine-thread"])
+    assert result.exit_code != 0 and "--api-servers" in result.output and "engine-process" in result.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, [*base[:-1], str(port)])
+    assert result.exit_code != 0 and "--port" in result.output and f"127.0.0.1:{port}" in result.output
+
+
 def test_http_stack_names_the_missing_c_parts(monkeypatch):
     """`piecegraph serve` says when uvicorn would run on its pure-Python loop or parser, and how to get the C ones."""
     import importlib.util

@@ -1,0 +1,195 @@
+"""The engine process's side of :class:`~piecegraph.server.remote.ProcessEngineLoop`: one engine loop serving one
+or more HTTP front-end processes, each over its own pair of pipes (commands in, events out).
+
+The engine thread reads every command pipe itself between steps (``multiprocessing.connection.wait`` over them;
+blocking only when idle), remembers which front end submitted each request, and sends each front end only its
+own requests' events, one message per front end per step. A front end that dies (its command pipe reaches EOF)
+has its requests aborted and their pages freed; the others keep being served.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from collections import Counter, deque
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+import torch
+
+from piecegraph.server.loop import Event, Ticket
+
+
+class KindCounter:
+    """Stands in for metrics in the child: counts steps by kind until the next event batch takes them."""
+
+    def __init__(self) -> None:
+        self.kinds: Counter = Counter()
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        self.kinds[labels.get("kind", "unknown")] += int(value)
+
+    def take(self) -> dict[str, int]:
+        out, self.kinds = dict(self.kinds), Counter()
+        return out
+
+
+class PipeInbox:
+    """The child's :class:`~piecegraph.server.loop.EngineLoop` inbox, read by the engine thread straight from the
+    front ends' command pipes (``get`` / ``get_nowait`` as ``queue.SimpleQueue``'s): no thread in between, so a
+    command never waits for the GIL. ``owner`` maps each live request id to the index of the front end that sent
+    it. Shutdown starts once every live front end asked for it (front ends shut down together: Ctrl-C reaches the
+    process group, the launcher signals each); the ``close`` messages set the drain deadline (the earliest):
+    ``stop`` once the loop is idle or the deadline passed (once; after it, what is still in the pipes is handed
+    over, so requests that raced the close are aborted as in-process). Every front end gone (EOF on every pipe)
+    stops at once."""
+
+    def __init__(self, conns: list[Any]) -> None:
+        self.conns = dict(enumerate(conns))  # index -> command pipe, live front ends only
+        self.owner: dict[str, int] = {}
+        self.local: deque = deque()
+        self.loop: Any = None  # the EngineLoop reading this inbox (set once it is built)
+        self.deadline: float | None = None
+        self.stopping = False
+        self.closing: dict[int, float | None] = {}  # front end -> its drain deadline (None: begin_close only)
+
+    def put(self, item: tuple) -> None:
+        self.local.append(item)
+
+    def get_nowait(self) -> tuple:
+        return self.get(0.0)
+
+    def get(self, timeout: float = 0.0) -> tuple:
+        if self.local:
+            return self.local.popleft()
+        if self.deadline is not None and not self.stopping:
+            now = time.monotonic()
+            if self.loop.stopped or now >= self.deadline:
+                self.stopping = True
+                return ("stop", None)
+            timeout = min(timeout, self.deadline - now)
+        ready = wait(list(self.conns.values()), timeout) if self.conns else []
+        if not ready:
+            raise queue.Empty
+        index_of = {id(conn): k for k, conn in self.conns.items()}
+        for conn in ready:
+            k = index_of[id(conn)]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._lost(k)
+                continue
+            self._apply(k, message)
+        if not self.conns and not self.stopping:  # no front end left: nobody can read what the engine makes
+            self.deadline, self.stopping = 0.0, True
+            return ("stop", None)
+        return self.local.popleft() if self.local else ("wake", None)
+
+    def _apply(self, k: int, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":  # through the loop's own methods, which put their command here
+            self.owner[message[1]] = k
+            self.loop.enqueue(Ticket(message[1], message[2], message[3]))
+        elif kind == "abort":
+            self.loop.abort_id(message[1])
+        else:  # begin_close, or close (with its drain)
+            deadline = time.monotonic() + message[1] if kind == "close" else None
+            self.closing[k] = deadline if self.closing.get(k) is None else self.closing[k]
+            self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if not self.conns or not all(k in self.closing for k in self.conns):
+            return
+        self.loop.begin_close()
+        deadlines = [self.closing[k] for k in self.conns]
+        if all(d is not None for d in deadlines):
+            self.deadline = min(deadlines)
+
+    def _lost(self, k: int) -> None:
+        """Front end ``k`` is gone: abort its requests (their pages are freed at the loop's next command)."""
+        conn = self.conns.pop(k)
+        conn.close()
+        for rid in [rid for rid, owner in self.owner.items() if owner == k]:
+            self.loop.abort_id(rid)
+        self._maybe_close()  # the others may all be closing already
+
+
+class EventRouter:
+    """Sends each front end its requests' events: one message per front end per call (also an empty one when the
+    KV pages in use changed since it last heard), each carrying the pages in use and (the first one) the step
+    kinds counted since the last message. A front end whose pipe is broken is dropped (the inbox sees its EOF
+    and aborts its requests)."""
+
+    def __init__(self, conns: list[Any], owner: dict[str, int], cache: Any, kinds: KindCounter) -> None:
+        self.conns, self.owner, self.cache, self.kinds = dict(enumerate(conns)), owner, cache, kinds
+        self.told: dict[int, dict] = {}  # the KV pages snapshot each front end last got
+
+    def send(self, rows: list[tuple]) -> None:
+        """``rows``: ``(request id, new ids, finish reason, error, refused)``; a finished row ends the id's route."""
+        if len(self.conns) <= 1:  # one front end (or a dying one's last): no routing to do
+            parts = {next(iter(self.conns), 0): rows}
+        else:
+            parts = {}
+            owner = self.owner
+            for row in rows:
+                parts.setdefault(owner.get(row[0], 0), []).append(row)
+        for row in rows:
+            if row[2] or row[3]:
+                self.owner.pop(row[0], None)
+        cache = self.cache
+        snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
+        kinds = self.kinds.take()
+        for k in list(self.conns):
+            if k in parts or self.told.get(k) != snapshot:  # pages freed by another's requests: say so too
+                self._to(k, ("events", parts.get(k, []), snapshot, kinds))
+                self.told[k], kinds = snapshot, {}
+
+    def broadcast(self, message: tuple) -> None:
+        for k in list(self.conns):
+            self._to(k, message)
+
+    def _to(self, k: int, message: tuple) -> None:
+        conn = self.conns.get(k)
+        if conn is None:
+            return
+        try:
+            conn.send(message)
+        except OSError:  # that front end died; its requests are aborted when the inbox sees the EOF
+            del self.conns[k]
+
+
+def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], threads: int) -> None:
+    """The engine process: build the engine, then run its loop on this thread until told to close.
+    ``channels``: one ``(command pipe, event pipe)`` pair per front end."""
+    import signal
+
+    from piecegraph.server.loop import EngineLoop
+
+    # Ctrl-C reaches the whole process group: the server processes drain and then tell this one to close.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    commands, events = [c for c, _ in channels], [e for _, e in channels]
+    try:
+        engine = factory()
+    except BaseException:  # noqa: BLE001  (the parent shows the child's error and exits)
+        for conn in events:
+            conn.send(("failed", traceback.format_exc()))
+        return
+    kinds, inbox = KindCounter(), PipeInbox(commands)
+    router = EventRouter(events, inbox.owner, engine.cache, kinds)
+
+    def sink(batch: list[tuple[Ticket, Event]]) -> None:
+        router.send([(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch])
+
+    def step_sink(rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
+        router.send([(t.id, ids, reason, None, False) for t, ids, reason in rows])  # servers stamp their own time
+
+    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink, inbox=inbox,
+                                   step_sink=step_sink)  # the front ends admit
+    config = engine.config
+    router.broadcast(("ready", {"max_seq_len": config.max_seq_len or engine.model.config.max_seq_len,
+                                "vocab_size": engine.model.config.vocab_size, "max_num_seqs": config.max_num_seqs,
+                                "num_pages": engine.cache.num_pages, "setup_s": engine.setup_s}))
+    loop.run()  # on this thread: it reads the command pipes itself (see PipeInbox)
+    router.broadcast(("closed", loop.finished_at_close, loop.aborted_at_close))
