@@ -162,7 +162,8 @@ if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh process
 fi
 if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one closed loop in process and over HTTP
   # Needs fastapi and uvicorn (and their dependencies) as Python 3.12 wheels in .whl/. HTTP_ENGINES="process" or
-  # "thread" splits the part over two calls (the in-process reference runs once per OUTDIR).
+  # "thread" splits the part over two calls (the in-process reference runs once per OUTDIR). HTTP_API_SERVERS: the
+  # server's front-end processes (default 0: serve's own default, up to 4 on a GPU machine).
   HTTP_MODEL=${HTTP_MODEL:-qwen2.5-0.5b} HTTP_CONC=${HTTP_CONC:-1,10,256,1024}
   HTTP_REQ=${HTTP_REQ:-${SERVE_REQUESTS:-4,30,512,1024}} HTTP_SEQS=${HTTP_CONC##*,}
   common=(--input-len 512 --output-len 128 --range-ratio 0.25 --concurrency "$HTTP_CONC" --requests "$HTTP_REQ"
@@ -180,7 +181,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       port=$((8400 + RANDOM % 500))
       python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
         --max-num-seqs "$HTTP_SEQS" --max-batched-tokens 2048 --max-seq-len 832 --port "$port" \
-        --engine-$engine --log-level warning >"$OUT/http_server_$engine.log" 2>&1 &
+        --engine-$engine --api-servers "${HTTP_API_SERVERS:-0}" --log-level warning >"$OUT/http_server_$engine.log" 2>&1 &
       spid=$!
       for _ in $(seq 900); do  # start-up traces, compiles and captures every size
         python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
