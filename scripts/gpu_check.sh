@@ -11,7 +11,8 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate. "serve-profile" profiles an engine's steps on the 0.5B
+# (first JIT, cold, warm) and checks the graph memory estimate; "startup-profile" profiles a warm and a cold start
+# (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
 # shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto). "moe" (issue 23) benches
 # the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine. "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
@@ -160,6 +161,18 @@ if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh process
     | tee "$OUT/startup_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+if has startup-profile; then  # issue 24: where a start's seconds go (cProfile of the setup), warm and cold
+  first="$OUT/start_cache_first" cold="$OUT/start_cache_cold"
+  run_start() { python3 scripts/start_once.py "$@" 2>>"$OUT/startup_profile.log" | tail -1; }
+  run_start "$first" >"$OUT/start_first.json"  # FlashInfer's first JIT build and a cold start
+  run_start "$first" "$OUT/start_warm.prof" >"$OUT/start_warm_profiled.json"
+  TORCHINDUCTOR_COMPILE_THREADS=1 run_start "$first" >"$OUT/start_warm_threads1.json"
+  run_start "$cold" "$OUT/start_cold.prof" >"$OUT/start_cold_profiled.json"
+  rm -rf "$first" "$cold"
+  for f in "$OUT"/start_*.json; do echo "$f: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \
+    print(round(r['ready_s'], 2), {m: {k: round(v, 2) for k, v in s.items() if k.endswith('_s')} \
+    for m, s in r['startup'].items()})" "$f")"; done
+fi
 if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one closed loop in process and over HTTP
   # Needs fastapi and uvicorn (and their dependencies) as Python 3.12 wheels in .whl/. HTTP_ENGINES="process" or
   # "thread" splits the part over two calls (the in-process reference runs once per OUTDIR). HTTP_API_SERVERS: the
@@ -192,6 +205,9 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       python3 -m piecegraph.cli serve-bench --url "http://127.0.0.1:$port" "${common[@]}" \
         --json "$OUT/http_$engine.json" 2>&1 | tee "$OUT/http_$engine.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      # the server's tokens against an in-process engine of the same preset and settings; one request alone each
+      python3 scripts/http_token_check.py "http://127.0.0.1:$port" "$HTTP_MODEL" --json "$OUT/http_tokens_$engine.json" \
+        --max-num-seqs "$HTTP_SEQS" 2>&1 | tail -3 | tee -a "$OUT/http_$engine.log"
       kill -INT $spid; wait $spid
     done
   fi

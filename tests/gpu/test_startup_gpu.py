@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,56 +24,12 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parents[2]
 
-# One start, as a user's process makes it: imports, the model, a prefill module (piecewise, every size up to
-# 512 tokens) and a decode module (full graphs, batch 1..64) sharing one pool, every size captured; then one
-# prefill call, whose output the cold and warm starts must agree on.
-START = textwrap.dedent("""
-    import time
-    t0 = time.perf_counter()
-    import json, os, sys
-    import torch
-    t_torch = time.perf_counter()
-    import piecegraph
-    t_pg = time.perf_counter()
-    from piecegraph.attention import KVCache, flashinfer_available
-    from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, dummy_inputs
-    shape = TINY if os.environ.get("PIECEGRAPH_START_MODEL") == "tiny" else QWEN2_5_0_5B
-    cuda = os.environ.get("PIECEGRAPH_START_DEVICE", "cuda") == "cuda"  # cpu: a dry run of this script
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    backend = "torch" if flashinfer_available(torch.device(device)) else "flashinfer"
-    model = Decoder.random(shape, dtype=dtype, device=device)
-    cache = KVCache.for_sequences(shape, 64, 640, dtype=dtype, device=device, backend=backend)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    t_model = time.perf_counter()
-    pool = piecegraph.GraphPool()
-    common = dict(pool=pool, cache_dir=sys.argv[1], emulate_graphs=not cuda)
-    prefill = piecegraph.compile(model, mode="piecewise", max_tokens=512, **common)
-    decode = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4, 8, 16, 32, 64), **common)
-    for module in (prefill, decode):
-        module.capture(lambda n: dummy_inputs(model, cache, n))
-    sync()
-    t_ready = time.perf_counter()
-    (ids, pos), meta = dummy_inputs(model, cache, 37)
-    ids = torch.arange(37, device=device) % shape.vocab_size
-    with piecegraph.forward_context(meta):
-        out = prefill(ids, pos).float()
-    stats = {name: m.stats() for name, m in (("prefill", prefill), ("decode", decode))}
-    print(json.dumps({
-        "backend": backend, "model": os.environ.get("PIECEGRAPH_START_MODEL", "qwen2.5-0.5b"),
-        "import_torch_s": t_torch - t0, "import_piecegraph_s": t_pg - t_torch, "model_s": t_model - t_pg,
-        "ready_s": t_ready - t_model, "from_interpreter_s": t_ready - t0,
-        "startup": {k: s["startup"] for k, s in stats.items()},
-        "capture_ms": {k: {n: round(v * 1e3, 2) for n, v in s["capture_s"].items()} for k, s in stats.items()},
-        "graph_memory": {k: s["graph_memory"] for k, s in stats.items()},
-        "pool_bytes": stats["prefill"]["pool_bytes"],
-        "out_sum": out.sum().item(), "out_head": out[:2, :8].tolist(),
-    }, default=str))
-""")
+START = REPO / "scripts" / "start_once.py"
+
 
 
 def _start(cache_dir: Path, env: dict[str, str]) -> dict:
-    done = subprocess.run([sys.executable, "-c", START, str(cache_dir)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(START), str(cache_dir)], capture_output=True, text=True,
                           timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,80 @@
+"""One start, as a user's process makes it (issue 24's startup test runs it in fresh processes): imports, the
+reference decoder, a prefill module (piecewise, every size up to 512 tokens) and a decode module (full graphs,
+batch 1..64) sharing one pool, every size captured; then one prefill call, whose output the cold and warm starts
+must agree on. Prints one JSON line: seconds per phase, each module's stats()["startup"], capture ms, graph memory.
+
+    python scripts/start_once.py CACHE_DIR [PROFILE_OUT]
+
+PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu make a dry run. PROFILE_OUT: cProfile's stats of the
+setup (model built to ready) written there, and its top functions by cumulative time printed to stderr.
+"""
+
+import time
+
+T0 = time.perf_counter()
+
+
+def main(cache_dir: str, profile_out: str | None = None) -> None:
+    import json
+    import os
+
+    import torch
+
+    t_torch = time.perf_counter()
+    import piecegraph
+
+    t_pg = time.perf_counter()
+    from piecegraph.attention import KVCache, flashinfer_available
+    from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, dummy_inputs
+
+    shape = TINY if os.environ.get("PIECEGRAPH_START_MODEL") == "tiny" else QWEN2_5_0_5B
+    cuda = os.environ.get("PIECEGRAPH_START_DEVICE", "cuda") == "cuda"
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    backend = "torch" if flashinfer_available(torch.device(device)) else "flashinfer"
+    model = Decoder.random(shape, dtype=dtype, device=device)
+    cache = KVCache.for_sequences(shape, 64, 640, dtype=dtype, device=device, backend=backend)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t_model = time.perf_counter()
+    profiler = None
+    if profile_out:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    pool = piecegraph.GraphPool()
+    common = dict(pool=pool, cache_dir=cache_dir, emulate_graphs=not cuda)
+    prefill = piecegraph.compile(model, mode="piecewise", max_tokens=512, **common)
+    decode = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4, 8, 16, 32, 64), **common)
+    for module in (prefill, decode):
+        module.capture(lambda n: dummy_inputs(model, cache, n))
+    sync()
+    t_ready = time.perf_counter()
+    if profiler is not None:
+        import pstats
+        import sys
+
+        profiler.disable()
+        profiler.dump_stats(profile_out)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(80)
+    (ids, pos), meta = dummy_inputs(model, cache, 37)
+    ids = torch.arange(37, device=device) % shape.vocab_size
+    with piecegraph.forward_context(meta):
+        out = prefill(ids, pos).float()
+    stats = {name: m.stats() for name, m in (("prefill", prefill), ("decode", decode))}
+    print(json.dumps({
+        "backend": backend, "model": os.environ.get("PIECEGRAPH_START_MODEL", "qwen2.5-0.5b"),
+        "import_torch_s": t_torch - T0, "import_piecegraph_s": t_pg - t_torch, "model_s": t_model - t_pg,
+        "ready_s": t_ready - t_model, "from_interpreter_s": t_ready - T0,
+        "startup": {k: s["startup"] for k, s in stats.items()},
+        "capture_ms": {k: {n: round(v * 1e3, 2) for n, v in s["capture_s"].items()} for k, s in stats.items()},
+        "graph_memory": {k: s["graph_memory"] for k, s in stats.items()},
+        "pool_bytes": stats["prefill"]["pool_bytes"],
+        "out_sum": out.sum().item(), "out_head": out[:2, :8].tolist(),
+    }, default=str))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(*sys.argv[1:3])
