@@ -10,7 +10,10 @@ dimension; an op mixes when
   x``, ``x[-1]``), except picking rows by a non-negative index or an index tensor; a dimension of ``k`` times
   the token count, from flattening ``[T, k]``, still is one (rows stay grouped per token);
 * it concatenates or repeats along the token dimension;
-* an output has two token dimensions (``q @ k.T`` over all tokens); or
+* an output has two token dimensions (``q @ k.T`` over all tokens);
+* it writes rows along the token dimension at per-token indices (``index_copy_``, ``index_add_``, ``scatter_``,
+  ``index_put_``, ``y[idx] = v`` with an index that has a token dimension): a pad row's index can name a real
+  row and overwrite (or add to) it; or
 * a known shape-keeping op works along the token dimension (softmax, cumsum, sort, flip, roll, convolution and
   pooling over it, batch-norm in training, layer-norm over it, ``scaled_dot_product_attention`` over it).
 
@@ -57,6 +60,10 @@ _SPATIAL = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d"
             "adaptive_avg_pool1d", "adaptive_max_pool1d", "instance_norm", "group_norm", "local_response_norm"}
 _CONTRACTING = {"matmul", "mm", "bmm", "__matmul__", "linear", "addmm", "baddbmm", "einsum"}
 _ROW_PICKS = {"getitem", "__getitem__", "index_select", "embedding"}
+# (self, dim, index, ...) writes; in-place or not
+_INDEXED_WRITES = {f"{op}{tail}" for op in ("index_copy", "index_add", "index_fill", "index_reduce", "scatter",
+                                           "scatter_add", "scatter_reduce") for tail in ("", "_")}
+_PUT_WRITES = {"index_put", "index_put_", "setitem", "__setitem__"}  # (self, indices, values)
 
 
 def find_token_mixing(gm: torch.fx.GraphModule, token_symbols: Any) -> list[MixingOp]:
@@ -84,9 +91,11 @@ def _declared_padding_safe(node: torch.fx.Node) -> bool:
 def _mixes(node: torch.fx.Node, sym: Any) -> str | None:
     inputs = [(t, _token_axes(t, sym)) for t in _tensors(node.args, node.kwargs)]
     outputs = [(t, _token_axes(t, sym)) for t in _tensor_values(node.meta.get("example_value"))]
+    name = op_name(node)
+    if (name in _INDEXED_WRITES or name in _PUT_WRITES) and _writes_at_token_indices(node, name, sym):
+        return "writes rows along the token dimension at per-token indices (a pad row's index can name a real row)"
     if not outputs or not any(axes for _, axes in inputs):
         return None
-    name = op_name(node)
     if any(len(axes) > 1 for _, axes in outputs):
         return "its result pairs every token with every other"
     if not any(axes for _, axes in outputs):
@@ -126,6 +135,33 @@ def _mixes(node: torch.fx.Node, sym: Any) -> str | None:
     if name in _CONTRACTING and _contracts_tokens(node, name, inputs):
         return "sums products over the token dimension"
     return None
+
+
+def _writes_at_token_indices(node: torch.fx.Node, name: str, sym: Any) -> bool:
+    """The destination's written dimension is a token dimension and an integer index tensor has a token
+    dimension (its rows follow the tokens, so pad rows carry indices too)."""
+    args = list(node.args)
+    dest = _example(args[0]) if args else None
+    if not isinstance(dest, torch.Tensor):
+        return False
+    dest_axes = _token_axes(dest, sym)
+    if name in _INDEXED_WRITES:
+        dim = args[1] if len(args) > 1 else node.kwargs.get("dim")
+        index = args[2] if len(args) > 2 else node.kwargs.get("index")
+        if not isinstance(dim, int) or _axis(dim, dest.dim()) not in dest_axes:
+            return False
+    else:
+        key = args[1] if len(args) > 1 else node.kwargs.get("indices")
+        key = key[0] if isinstance(key, (tuple, list)) and key else key
+        if 0 not in dest_axes:
+            return False
+        index = key
+    index = _example(index)  # a boolean mask writes each row in place (its own row): not a mix
+    return isinstance(index, torch.Tensor) and index.dtype != torch.bool and bool(_token_axes(index, sym))
+
+
+def _example(value: Any) -> Any:
+    return value.meta.get("example_value") if isinstance(value, torch.fx.Node) else value
 
 
 def _contracts_tokens(node: torch.fx.Node, name: str, inputs: list) -> bool:

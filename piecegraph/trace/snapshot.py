@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import operator
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -161,11 +162,41 @@ def check_fresh(snapshot: GraphSnapshot) -> None:
 
 def _live_copy(graph: torch.fx.Graph) -> torch.fx.Graph:
     """``graph`` without its dead pure nodes (Dynamo keeps some, e.g. an unused ``torch.zeros``): FX re-tracing
-    the pickled code would evaluate such a call on constants and drop it, and nodes are matched by position."""
+    the pickled code would evaluate such a call on constants and drop it, and nodes are matched by position.
+    A node that writes in place is never dead, though nothing uses its result (see :func:`_writes`)."""
     copy = torch.fx.Graph()
     copy.output(copy.graph_copy(graph, {}))
-    copy.eliminate_dead_code()
+    copy.eliminate_dead_code(is_impure_node=_writes)
     return copy
+
+
+# x += y on a tensor: Dynamo records the in-place operator (whose result nobody may use when x is not read
+# again); FX's re-trace of the pickled code records the plain one (a Proxy has no __iadd__), put back on restore.
+_INPLACE_OPERATORS = {getattr(operator, f"i{name.rstrip('_')}"): getattr(operator, name) for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_", "xor", "lshift", "rshift")}
+
+
+def _function_name(function: Any) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+_INPLACE_BY_NAME = {_function_name(f): f for f in _INPLACE_OPERATORS}
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """FX's own impurity, and every in-place write FX calls pure: Dynamo records ``y.add_(1)`` as a
+    ``call_method`` and FX's dead-code pass drops such a node when its result is unused, which lost the write
+    (a silently wrong program from the cache's first start on). Torch names in-place methods and functions with a
+    trailing underscore (``add_``, ``index_copy_``, ``torch.Tensor.copy_``); ``out=`` writes too."""
+    if node.is_impure():
+        return True
+    if node.op not in ("call_method", "call_function"):
+        return False
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name == "__setitem__" or target in _INPLACE_OPERATORS:
+        return True
+    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
 
 
 def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:
@@ -184,8 +215,16 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
     # and refuse a graph that did not come back node for node (before any fake is propagated through it).
     kept = pickle.loads(snapshot.node_meta)
     nodes = list(gm.graph.nodes)
-    if [(op, target) for op, target, _ in kept] != [(n.op, _target(n)) for n in nodes]:
+    if len(kept) != len(nodes):
         raise ValueError("the graph did not come back from its code node for node")
+    for (op, target, _), node in zip(kept, nodes):
+        if (op, target) == (node.op, _target(node)):
+            continue
+        inplace = _INPLACE_BY_NAME.get(target)
+        if op != node.op or inplace is None or node.target is not _INPLACE_OPERATORS[inplace]:
+            raise ValueError("the graph did not come back from its code node for node")
+        node.target = inplace  # x += y stays in place (it may write a tensor others alias)
+    gm.recompile()
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     symbols: dict[str, Any] = {}

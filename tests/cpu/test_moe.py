@@ -148,15 +148,16 @@ def _mixing_found(model):
 
 
 @pytest.mark.skipif(not grouped_mm_runs("cpu", torch.bfloat16), reason="torch._grouped_mm does not run here")
-def test_grouped_mm_path_is_declared_padding_safe_and_without_it_flagged_at_its_sort_and_group_ends(monkeypatch):
+def test_grouped_mm_path_is_declared_padding_safe_and_without_it_flagged_at_its_sort_group_ends_and_return(monkeypatch):
     found, warned = _mixing_found(_bf16_model())
     assert found == [] and not warned  # Experts declares piecegraph_padding_safe: its sort moves rows only
     torch._dynamo.reset()
     monkeypatch.setattr(Experts, "piecegraph_padding_safe", False)
     found, warned = _mixing_found(_bf16_model())
-    assert warned and len(found) == 2 * TINY_MOE.num_layers, found
+    assert warned and len(found) == 3 * TINY_MOE.num_layers, found
     assert sum("argsort at moe.py" in f and "works along the token dimension" in f for f in found) == 2
     assert sum("searchsorted at moe.py" in f and "reduces over the token dimension" in f for f in found) == 2
+    assert sum("index_copy at moe.py" in f and "per-token indices" in f for f in found) == 2  # the rows' return
 
 
 @pytest.mark.skipif(not grouped_mm_runs("cpu", torch.bfloat16), reason="torch._grouped_mm does not run here")

@@ -32,7 +32,23 @@ MIXING = {  # name -> (forward on x [T, 16], the op the finding must name)
     "cat_tokens": (lambda x: torch.cat([x, x], 0)[: x.shape[0]] * 2, "cat"),
     "sum_of_flattened": (lambda x: x * x.reshape(-1).sum(), "sum"),
     "repeat_tokens": (lambda x: x.repeat(2, 1)[1:].view(-1)[: x.numel()].view(x.shape), "repeat"),
+    # writes at per-token row indices: a pad row's index can name a real row
+    "index_copy_rows": (lambda x: x.clone().index_copy_(0, (x[:, 0] > 0).long(), x * 2), "index_copy_"),
+    "index_add_rows": (lambda x: torch.zeros_like(x).index_add_(0, (x[:, 0] > 0).long(), x), "index_add_"),
+    "scatter_add_rows": (lambda x: torch.zeros_like(x).scatter_add_(0, (x > 0).long(), x), "scatter_add_"),
+    "setitem_rows": (lambda x: _set_rows(x.clone(), (x[:, 0] > 0).long(), x), "setitem"),
 }
+
+
+def _set_rows(y, index, value):
+    y[index] = value
+    return y
+
+
+def _set_masked(y, mask):
+    y[mask] = 0.0
+    return y
+
 TOKEN_WISE = {
     "softmax_last": lambda x: torch.softmax(x, -1),
     "layer_norm": lambda x: F.layer_norm(x, (16,)),
@@ -42,6 +58,8 @@ TOKEN_WISE = {
     "einsum_per_token": lambda x: torch.einsum("td,de->te", x, torch.ones(16, 16)),
     "reshape_heads": lambda x: (x.view(x.shape[0], 4, 4).softmax(-1)).reshape(x.shape[0], 16),
     "flatten_rows": lambda x: (x.reshape(-1) * 2).view(x.shape[0], 16),
+    "index_copy_features": lambda x: x.clone().index_copy_(1, torch.arange(16).flip(0), x),
+    "masked_rows_in_place": lambda x: _set_masked(x.clone(), x > 0),
 }
 
 
