@@ -1,7 +1,8 @@
 """One start, as a user's process makes it (issue 24's startup test runs it in fresh processes): imports, the
 reference decoder, a prefill module (piecewise, every size up to 512 tokens) and a decode module (full graphs,
 batch 1..64) sharing one pool, every size captured; then one prefill call, whose output the cold and warm starts
-must agree on. Prints one JSON line: seconds per phase, each module's stats()["startup"], capture ms, graph memory.
+must agree on. Prints one JSON line: seconds per phase, each module's stats()["startup"], capture ms, graph memory,
+and torch's cache counters (AOTAutograd's and Inductor's FX graph cache hits and misses).
 
     python scripts/start_once.py CACHE_DIR [PROFILE_OUT]
 
@@ -62,6 +63,10 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
     with piecegraph.forward_context(meta):
         out = prefill(ids, pos).float()
     stats = {name: m.stats() for name, m in (("prefill", prefill), ("decode", decode))}
+    from torch._dynamo.utils import counters
+
+    torch_caches = {k: v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
+                    if "cache" in k}
     print(json.dumps({
         "backend": backend, "model": os.environ.get("PIECEGRAPH_START_MODEL", "qwen2.5-0.5b"),
         "import_torch_s": t_torch - T0, "import_piecegraph_s": t_pg - t_torch, "model_s": t_model - t_pg,
@@ -69,7 +74,7 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         "startup": {k: s["startup"] for k, s in stats.items()},
         "capture_ms": {k: {n: round(v * 1e3, 2) for n, v in s["capture_s"].items()} for k, s in stats.items()},
         "graph_memory": {k: s["graph_memory"] for k, s in stats.items()},
-        "pool_bytes": stats["prefill"]["pool_bytes"],
+        "pool_bytes": stats["prefill"]["pool_bytes"], "torch_caches": torch_caches,
         "out_sum": out.sum().item(), "out_head": out[:2, :8].tolist(),
     }, default=str))
 

@@ -63,8 +63,9 @@ def serve(
     from piecegraph.serve.config import ENGINE_MODES, EngineConfig
     from piecegraph.server.app import create_app
     from piecegraph.server.frontends import FrontEnds, listening_socket
-    from piecegraph.server.run import build_process_state, build_state, draining_server, http_stack, uvicorn_config
+    from piecegraph.server.run import build_process_state, build_state, http_stack
     from piecegraph.server.tokenizer import load_tokenizer
+    from piecegraph.server.uvicorn_server import draining_server, uvicorn_config
 
     if model_arg and model and model_arg != model:
         raise typer.BadParameter(f"MODEL {model_arg!r} and --model {model!r} disagree; give one", param_hint="--model")

@@ -178,7 +178,7 @@ def frontend_main(index: int, channel: tuple[Any, Any], info: dict[str, Any], sp
     from piecegraph.server.app import ServerState, create_app
     from piecegraph.server.metrics import Metrics
     from piecegraph.server.remote import ProcessEngineLoop
-    from piecegraph.server.run import draining_server, uvicorn_config
+    from piecegraph.server.uvicorn_server import draining_server, uvicorn_config
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     logging.getLogger("piecegraph.server").setLevel(spec.log_level.upper())

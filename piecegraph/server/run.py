@@ -11,6 +11,7 @@ from piecegraph.serve.engine import Engine
 from piecegraph.server.loop import EngineLoop
 from piecegraph.server.metrics import Metrics
 from piecegraph.server.tokenizer import Tokenizer
+from piecegraph.server.uvicorn_server import draining_server, uvicorn_config
 
 
 def build_state(engine: Engine, tokenizer: Tokenizer, model_name: str, *, max_pending: int | None = None,
@@ -48,14 +49,6 @@ def build_process_state(factory: Callable[[], Engine], tokenizer_for: Callable[[
                        drain_s=drain_s)
 
 
-def uvicorn_config(app: Any, *, host: str, port: int, drain_s: float, log_level: str = "info") -> Any:
-    """uvicorn settings for the server: graceful shutdown lets in-flight streams finish for ``drain_s``."""
-    import uvicorn
-
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s,
-                          access_log=False)
-
-
 def http_stack() -> tuple[str, str | None]:
     """What uvicorn serves with here (``"uvloop + httptools"`` at best) and, when its C parts are missing, a hint:
     its pure-Python loop and HTTP parser cost several times more per streamed token (a GPU engine's 30-40k
@@ -68,28 +61,6 @@ def http_stack() -> tuple[str, str | None]:
     hint = (f"{' and '.join(missing)} not installed: pip install 'piecegraph[server]' (uvicorn[standard]) for "
             "the fast event loop and HTTP parser") if missing else None
     return f"{loop} + {parser}", hint
-
-
-def draining_server(state: Any, config: Any, on_started: Callable[[], Any] | None = None,
-                    on_shutdown: Callable[[], Any] | None = None) -> Any:
-    """A ``uvicorn.Server`` that tells the engine loop when shutdown starts (new requests get 503, requests that
-    finish while connections drain are logged), before uvicorn waits for the open connections. ``on_started``
-    runs once it listens, ``on_shutdown`` when its shutdown starts (front end 0 signals the other front ends)."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if on_started is not None and not self.should_exit:
-                on_started()
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            if on_shutdown is not None:
-                on_shutdown()
-            state.loop.begin_close()
-            await super().shutdown(sockets)
-
-    return _Server(config)
 
 
 class BackgroundServer:

@@ -150,8 +150,16 @@ def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: st
         return sub
     from torch._inductor.compile_fx import compile_fx
 
+    # AOTAutograd's cache key hashes the module's attribute dict as pickled, in insertion order, and a piece built
+    # under Dynamo (a cold start: lazy recompilation re-inserts _code last) orders it differently from one built
+    # from the cache's restored graph (a warm start): every first warm start missed that cache (Inductor's FX
+    # cache still hit) and re-ran AOTAutograd's trace. A fresh module with its attributes in sorted order.
+    fresh = torch.fx.GraphModule(sub, sub.graph, class_name=type(sub).__name__)
+    attributes = sorted(vars(fresh).items())
+    vars(fresh).clear()
+    vars(fresh).update(attributes)
     # Called positionally, like the submodule it replaces (compile_fx unflattens non-tuple outputs itself).
-    return compile_fx(sub, list(fake_args))
+    return compile_fx(fresh, list(fake_args))
 
 
 def _compile_pieces(

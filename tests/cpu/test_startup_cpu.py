@@ -1,0 +1,32 @@
+"""The startup test's start script (scripts/start_once.py) as a dry run on CPU, in fresh processes: a warm start
+loads both modules' traced programs (no Dynamo) and hits every torch cache it compiles through (Inductor's FX
+graph cache and AOTAutograd's: a first warm start used to miss the latter, whose key hashed the order of the
+piece module's attributes, which differs between a piece built under Dynamo and one built from the restored
+graph), and computes the same bits as the cold start."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _start(cache_dir: Path) -> dict:
+    env = dict(os.environ, PIECEGRAPH_START_DEVICE="cpu", PIECEGRAPH_START_MODEL="tiny", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "start_once.py"), str(cache_dir)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_start_loads_its_programs_and_hits_every_torch_cache(tmp_path):
+    cold, warm = _start(tmp_path), _start(tmp_path)
+    assert [s["trace"] for s in cold["startup"].values()] == ["traced", "traced"]
+    assert [s["trace"] for s in warm["startup"].values()] == ["loaded", "loaded"]
+    caches = warm["torch_caches"]
+    assert caches.get("autograd_cache_hit", 0) > 0 and not caches.get("autograd_cache_miss"), caches
+    assert caches.get("fxgraph_cache_hit", 0) > 0 and not caches.get("fxgraph_cache_miss"), caches
+    assert warm["out_head"] == cold["out_head"]
