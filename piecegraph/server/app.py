@@ -62,6 +62,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not state.loop.alive:
             state.loop.start()
+        bind = getattr(state.loop, "bind", None)  # a process engine's event pipe is read on this loop
+        if bind is not None:
+            bind(asyncio.get_running_loop())
         yield
         await asyncio.to_thread(state.loop.close, state.drain_s)
 

@@ -122,9 +122,7 @@ class ProcessEngineLoop:
         if self._closing or not self.alive:
             raise Closed("the server is shutting down" if self._closing else "the engine process is not running")
         aloop = asyncio.get_running_loop()
-        if self._aloop is None:
-            self._aloop = aloop
-            aloop.add_reader(self._ev_recv.fileno(), self._on_readable)
+        self.bind(aloop)
         tag = f"{self.index}x" if self.index else ""  # unique across front ends
         ticket = Ticket(f"{prefix}-{tag}{next(self._ids)}", prompt, params, asyncio.Queue(), aloop)
         with self._lock:
@@ -134,6 +132,14 @@ class ProcessEngineLoop:
             self._tickets[ticket.id] = ticket
         self._cmd.send(("add", ticket.id, prompt, params), aloop)
         return ticket
+
+    def bind(self, aloop: asyncio.AbstractEventLoop) -> None:
+        """Read the event pipe on ``aloop`` from now on (once; later calls do nothing). The app's start calls it:
+        the engine process tells every front end when KV pages change, so a front end that has not served a
+        request yet must read too, or its pipe fills and the engine process blocks sending to it."""
+        if self._aloop is None:
+            self._aloop = aloop
+            aloop.add_reader(self._ev_recv.fileno(), self._on_readable)
 
     def abort(self, ticket: Ticket) -> None:
         if not ticket.done:

@@ -120,20 +120,41 @@ def slow_tiny_engine():
     return _SlowEngine(Decoder.random(TINY, seed=0).eval(), config)
 
 
-@pytest.fixture(scope="module")
-def two_front_ends():
+def page_per_token_engine():
+    """A factory whose KV pages hold one token each: the pages in use change at every step."""
+    config = EngineConfig(mode="eager", max_num_seqs=8, max_num_batched_tokens=64, page_size=1, max_seq_len=256)
+    return Engine(Decoder.random(TINY, seed=0).eval(), config)
+
+
+def _serve(factory):
     import torch
 
     from piecegraph.server.run import BackgroundServer, build_process_state
 
-    factory = slow_tiny_engine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine process takes this count (two shared cores: no OpenMP spinning)
     try:
         state = build_process_state(factory, ByteTokenizer, "tiny", max_pending=64, drain_s=5, frontends=2)
     finally:
         torch.set_num_threads(threads)
-    with BackgroundServer(state) as server:
+    return BackgroundServer(state)
+
+
+def test_a_front_end_without_requests_keeps_reading_so_the_engine_never_blocks():
+    """The engine process tells every front end when KV pages change; one that had no request yet must read
+    them too (it binds its reader when the app starts), or its pipe fills (~64 KiB, ~700 messages) and the
+    engine blocks sending to it. One keep-alive connection: every request reaches the same front end."""
+    with _serve(page_per_token_engine) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for i in range(6):  # ~1200 page changes in all
+                body = {"model": "tiny", "prompt": f"one connection {i}", "max_tokens": 200, "temperature": 0}
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
+
+
+@pytest.fixture(scope="module")
+def two_front_ends():
+    with _serve(slow_tiny_engine) as server:
         yield server
 
 
