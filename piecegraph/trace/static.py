@@ -72,9 +72,29 @@ def compile_static(gm: torch.fx.GraphModule, fake_args: list[Any], token_symbols
             log.info("piecegraph: no static compile of %s at %d tokens: %s", name, size, err)
             continue
         log.debug("piecegraph: compiling %s for %d tokens", name, size)
-        fn = compile_fx(gm, args)
+        with _static_context(args):
+            fn = compile_fx(gm, args)
         compiled[size] = _first(fn) if single_output else fn
     return compiled, time.perf_counter() - start
+
+
+def _static_context(args: list[Any]) -> Any:
+    """The static fakes' own mode as the only one Inductor sees: the caller runs under the trace's fake mode and
+    tracing context (Dynamo's on a first trace, the restored graph's on a start from the cache), and Inductor
+    refuses inputs of another mode than the active one (a start from the cache failed so, on a GPU, for any
+    piece compiled per size)."""
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    mode = next((a.fake_mode for a in args if isinstance(a, torch.Tensor) and hasattr(a, "fake_mode")), None)
+    if mode is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(_disable_current_modes())
+    stack.enter_context(tracing(TracingContext(mode)))
+    return stack
 
 
 def returns_one_value(gm: torch.fx.GraphModule) -> bool:

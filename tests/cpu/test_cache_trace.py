@@ -352,3 +352,18 @@ def test_in_place_writes_through_inductor_and_the_cache_equal_eager(root):
             torch.testing.assert_close(graphed(x, torch.arange(5)), model(x, torch.arange(5)), rtol=1e-5, atol=1e-5)
         traces.append(graphed.stats()["startup"]["trace"])
     assert traces == ["traced", "loaded"]
+
+
+def test_static_compile_sizes_build_from_the_cache_and_equal_eager(root):
+    """Pieces compiled per size (compile_sizes; on a GPU also the default for pieces that work along tokens) from
+    the restored graph: Inductor refused the static fakes under the restored graph's fake mode until the static
+    compile ran in its own mode (cold and warm starts both failed)."""
+    model, x = ToyModel(dim=16, layers=2, seed=1).eval(), torch.randn(5, 16)
+    traces = []
+    for _ in range(2):
+        graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(4, 8), compile_sizes=(4, 8),
+                                     emulate_graphs=True, cache_dir=root / "static")
+        with forward_context({"n": 5}), torch.no_grad():
+            torch.testing.assert_close(graphed(x, torch.arange(5)), model(x, torch.arange(5)), rtol=1e-5, atol=1e-5)
+        traces.append(graphed.stats()["startup"]["trace"])
+    assert traces == ["traced", "loaded"]
