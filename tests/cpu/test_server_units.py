@@ -197,7 +197,8 @@ def test_serve_bench_url_drives_a_running_server(tmp_path):
     for row in rows:  # every token of the workload arrived (token ids in the events, ignore_eos honoured)
         work = Workload(32, 8, 0.25, 0).requests(6, TINY.vocab_size, salt=row["concurrency"])
         assert row["output_tokens"] == sum(n for _, n in work)
-    assert all(r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 for r in rows)
+    # tokens a handler reads in one chunk share its time (a gap of 0), so on a loaded CPU the median gap can be 0
+    assert all(r["ttft_p50_ms"] > 0 and r["itl_mean_ms"] > 0 for r in rows)
     result = CliRunner().invoke(app, ["serve-bench", "--url", "http://127.0.0.1:9", "--device", "cpu"])
     assert result.exit_code == 1 and "failed" in result.output
 
