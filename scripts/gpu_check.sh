@@ -194,7 +194,8 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       port=$((8400 + RANDOM % 500))
       python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
         --max-num-seqs "$HTTP_SEQS" --max-batched-tokens 2048 --max-seq-len 832 --port "$port" \
-        --engine-$engine --api-servers "${HTTP_API_SERVERS:-0}" --log-level warning >"$OUT/http_server_$engine.log" 2>&1 &
+        --engine-$engine --api-servers "${HTTP_API_SERVERS:-0}" ${HTTP_SERVE_ARGS:-} --log-level warning \
+        >"$OUT/http_server_$engine.log" 2>&1 &
       spid=$!
       for _ in $(seq 900); do  # start-up traces, compiles and captures every size
         python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
@@ -202,12 +203,20 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
         kill -0 $spid 2>/dev/null || break
         sleep 1
       done
-      python3 -m piecegraph.cli serve-bench --url "http://127.0.0.1:$port" "${common[@]}" \
-        --json "$OUT/http_$engine.json" 2>&1 | tee "$OUT/http_$engine.log"
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      # the server's tokens against an in-process engine of the same preset and settings; one request alone each
-      python3 scripts/http_token_check.py "http://127.0.0.1:$port" "$HTTP_MODEL" --json "$OUT/http_tokens_$engine.json" \
-        --max-num-seqs "$HTTP_SEQS" 2>&1 | tail -3 | tee -a "$OUT/http_$engine.log"
+      # the server's tokens against an in-process engine of the same preset and settings (built once per OUTDIR),
+      # on the fresh server and again after the load; one request alone each
+      check_tokens() {
+        python3 scripts/http_token_check.py "http://127.0.0.1:$port" "$HTTP_MODEL" --json "$OUT/http_tokens_$1.json" \
+          --max-num-seqs "$HTTP_SEQS" --reference "$OUT/http_tokens_reference.json" 2>&1 | tail -3 \
+          | tee -a "$OUT/http_$engine.log"
+      }
+      check_tokens "${engine}_fresh"
+      if [ -z "${HTTP_TOKENS_ONLY:-}" ]; then
+        python3 -m piecegraph.cli serve-bench --url "http://127.0.0.1:$port" "${common[@]}" \
+          --json "$OUT/http_$engine.json" 2>&1 | tee -a "$OUT/http_$engine.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        check_tokens "${engine}_after_load"
+      fi
       kill -INT $spid; wait $spid
     done
   fi

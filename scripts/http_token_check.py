@@ -1,12 +1,15 @@
 """Does a running ``piecegraph serve`` give the engine's tokens, and how fast is one request alone on each side?
 
-    python scripts/http_token_check.py URL MODEL --json OUT [--prompts 16] [--new 64] [engine options as serve's]
+    python scripts/http_token_check.py URL MODEL --json OUT [--prompts 16] [--new 64] [--reference FILE]
+        [engine options as serve's]
 
 Sends ``--prompts`` seeded token-id prompts greedily (``ignore_eos``, ``return_token_ids``) to URL, 8 at a time;
 then builds the same preset in this process with the same engine settings (artifact cache off) and generates the
 same prompts with ``Engine.generate``. Writes whether every request's tokens are equal (bf16 near-ties are named,
 not hidden: the first differing position and its two tokens), and one request alone, timed on both sides: the
 server's per-token time from streamed events, the engine's from ``generate`` of one prompt (wall time / tokens).
+``--reference FILE``: the engine's side is read from FILE when it exists, else computed and written there, so
+checks of several servers (or of one server before and after a load) build the in-process engine once.
 """
 
 from __future__ import annotations
@@ -38,33 +41,18 @@ def _stream_times(url: str, body: dict) -> list[float]:
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("url")
-    parser.add_argument("model")
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=1024)
-    parser.add_argument("--max-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-seq-len", type=int, default=832)
-    parser.add_argument("--mode", default="auto")
-    parser.add_argument("--device", default="cuda", help="cuda (bf16, FlashInfer, Inductor) | cpu (a dry run)")
-    args = parser.parse_args()
-    url = args.url.rstrip("/")
-    with urlopen(f"{url}/v1/models", timeout=30) as response:
-        served_model = json.loads(response.read())["data"][0]
-    vocab, longest = served_model["vocab_size"], min(300, served_model["max_model_len"] - args.new)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(min(vocab, 1000)) for _ in range(rng.randint(min(16, longest), longest))]
-               for _ in range(args.prompts)]
-    body = {"model": args.model, "max_tokens": args.new, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    with ThreadPoolExecutor(8) as pool:
-        served = list(pool.map(lambda p: _post(url, {**body, "prompt": p}), prompts))
-    alone = [_stream_times(url, {**body, "prompt": prompts[0]}) for _ in range(3)]
-    server_ms = [1e3 * (t[-1] - t[0]) / (len(t) - 1) for t in alone]
+def _read_reference(path: str | None, prompts: list[list[int]], new: int) -> dict | None:
+    try:
+        with open(path or "", encoding="utf-8") as f:
+            saved = json.load(f)
+    except OSError:
+        return None
+    if saved["prompts"] != prompts or saved["new"] != new:
+        raise SystemExit(f"--reference {path} holds other prompts or lengths; remove it")
+    return saved
 
+
+def _engine_reference(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     import torch
 
     from piecegraph.cli_common import load_model
@@ -86,6 +74,44 @@ def main() -> None:
         start = time.perf_counter()
         out = engine.generate([prompts[0]], params)[0]
         engine_ms.append(1e3 * (time.perf_counter() - start) / len(out))
+    return {"tokens": local, "engine_ms": engine_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("model")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-seq-len", type=int, default=832)
+    parser.add_argument("--mode", default="auto")
+    parser.add_argument("--device", default="cuda", help="cuda (bf16, FlashInfer, Inductor) | cpu (a dry run)")
+    parser.add_argument("--reference", help="the engine's tokens and times: read when the file exists, else written")
+    args = parser.parse_args()
+    url = args.url.rstrip("/")
+    with urlopen(f"{url}/v1/models", timeout=30) as response:
+        served_model = json.loads(response.read())["data"][0]
+    vocab, longest = served_model["vocab_size"], min(300, served_model["max_model_len"] - args.new)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(min(vocab, 1000)) for _ in range(rng.randint(min(16, longest), longest))]
+               for _ in range(args.prompts)]
+    body = {"model": args.model, "max_tokens": args.new, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with ThreadPoolExecutor(8) as pool:
+        served = list(pool.map(lambda p: _post(url, {**body, "prompt": p}), prompts))
+    alone = [_stream_times(url, {**body, "prompt": prompts[0]}) for _ in range(3)]
+    server_ms = [1e3 * (t[-1] - t[0]) / (len(t) - 1) for t in alone]
+
+    reference = _read_reference(args.reference, prompts, args.new)
+    if reference is None:
+        reference = _engine_reference(args, prompts)
+        if args.reference:
+            with open(args.reference, "w") as f:
+                json.dump({"prompts": prompts, "new": args.new, **reference}, f)
+    local, engine_ms = reference["tokens"], reference["engine_ms"]
     differ = [{"request": i, "position": next(j for j, (a, b) in enumerate(zip(s, w)) if a != b) if s[:len(w)] != w
                else min(len(s), len(w)), "served": s[:8], "engine": w[:8], "served_len": len(s), "engine_len": len(w)}
               for i, (s, w) in enumerate(zip(served, local)) if s != w]
