@@ -1,6 +1,6 @@
 """Which part of a cached start gives wrong hidden states on this machine? Each variant runs in a fresh process.
 
-    python scripts/cache_diag.py OUT.json [--layers 4]
+    python scripts/cache_diag.py OUT.json [--layers 4] [--only NAME,NAME]
 
 A variant compiles the reference decoder (the 0.5B shape cut to ``--layers`` layers; bf16 and FlashInfer on a
 GPU, float32 and torch attention on CPU) with ``piecegraph.compile`` in one mode, compiler and cache setting,
@@ -86,9 +86,12 @@ def main() -> None:
         return
     out = sys.argv[1]
     layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else 4
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else list(VARIANTS)
     root = tempfile.mkdtemp(prefix="pg-cache-diag-")
     results = []
     for name, (_, _, tag, _) in VARIANTS.items():
+        if name not in only:
+            continue
         folder = os.path.join(root, tag) if tag else ""
         done = subprocess.run([sys.executable, __file__, "--variant", name, folder, str(layers)],
                               capture_output=True, text=True)

@@ -51,9 +51,9 @@ def serve(
                                     "per 4 cores); one front end streams ~30-45k tokens/s"),
     cache: bool = typer.Option(False, "--cache/--no-cache", help="keep compiled code in piecegraph's artifact cache "
                                "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
-                               "restart skips tracing and compiling; Inductor-compiled engines only. Off by default: "
-                               "on an H200 a cached server's tokens disagreed with an uncached engine's (CPU agrees; "
-                               "open, see README), so turn it on only where tests/gpu/test_cache_gpu.py passes"),
+                               "restart skips tracing and compiling; Inductor-compiled engines only. Off by default "
+                               "until the engine-level GPU check (tests/gpu/test_cache_gpu.py) has passed since the "
+                               "fix of wrong cached programs on torch 2.11 (see README)"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""

@@ -187,16 +187,29 @@ def _writes(node: torch.fx.Node) -> bool:
     """FX's own impurity, and every in-place write FX calls pure: Dynamo records ``y.add_(1)`` as a
     ``call_method`` and FX's dead-code pass drops such a node when its result is unused, which lost the write
     (a silently wrong program from the cache's first start on). Torch names in-place methods and functions with a
-    trailing underscore (``add_``, ``index_copy_``, ``torch.Tensor.copy_``); ``out=`` writes too."""
+    trailing underscore (``add_``, ``index_copy_``, ``torch.Tensor.copy_``); ``out=`` writes too. A torch op is
+    judged by its schema (:func:`_op_writes`), not by FX, whose verdict moved between torch versions."""
     if node.is_impure():
         return True
     if node.op not in ("call_method", "call_function"):
         return False
     target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _op_writes(target)
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if name == "__setitem__" or target in _INPLACE_OPERATORS:
         return True
     return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+
+
+def _op_writes(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> bool:
+    """Whether a torch op may write: a schema with a mutable argument (``Tensor(a!)``), or one that returns
+    nothing (called for its effect alone). A packet counts when any of its overloads does: Dynamo records
+    ``torch.ops.ns.op(...)`` as the packet, and torch 2.11's FX called such a node pure, so a cached start's
+    graph lost every attention op (``piecegraph_models::attention`` writes its output buffer and the KV cache)
+    and gave wrong tokens from the first one, on the GPU machine's torch only."""
+    overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, name) for name in op.overloads()]
+    return any(o._schema.is_mutable or not o._schema.returns for o in overloads)
 
 
 def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:
@@ -277,3 +290,4 @@ class _Arg:
     source: _Source
     example: Any = None
     fake_tensor: Any = None
+
