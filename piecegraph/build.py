@@ -26,11 +26,13 @@ log = logging.getLogger("piecegraph")
 
 @dataclass
 class Startup:
-    """Where a GraphedModule's setup went (``stats()["startup"]``): seconds of prewarm (the first eager call,
+    """Where a GraphedModule's setup went (``stats()["startup"]``): seconds of importing torch's compiler stack
+    (Dynamo, Inductor: the first setup in a process pays it, a warm start too), prewarm (the first eager call,
     where JIT kernels such as FlashInfer's build), trace (Dynamo and the trace call's run), compile (splitting
     and Inductor, static compiles included) and the whole setup; and what the artifact cache did (``cache``:
     filled by :func:`piecegraph.cache.compile_cache`). Accumulates over retraces and recompiles."""
 
+    compiler_import_s: float = 0.0  # importing Dynamo and Inductor, the first setup in a process pays it
     prewarm_s: float = 0.0
     trace_s: float = 0.0
     compile_s: float = 0.0
