@@ -19,7 +19,14 @@ from .graphs.breakable import build_breakable_program
 from .program import TokenCountMismatch
 from .runner import FlatRunner
 from .trace.backend import build_program, graph_memory, placeholder_facts
-from .trace.snapshot import GraphSnapshot, attribute_digest, check_fresh, restore_graph, snapshot_graph
+from .trace.snapshot import (
+    GraphSnapshot,
+    attribute_digest,
+    check_fresh,
+    op_writes_count,
+    restore_graph,
+    snapshot_graph,
+)
 
 log = logging.getLogger("piecegraph")
 
@@ -110,7 +117,13 @@ def _through_snapshot(gm: torch.fx.GraphModule, example_inputs: list[Any], snaps
                      type(err).__name__, err)
             snapshot = None
         else:
-            gm, example_inputs = restored, restored_fakes
+            kept, traced = op_writes_count(restored), op_writes_count(gm)
+            if kept != traced:  # a lost write (attention, a KV-cache update) would be a wrong program: refuse it
+                log.warning("piecegraph: the traced graph's snapshot calls %s where Dynamo's graph calls %s; "
+                            "warm starts will trace (please report this)", kept, traced)
+                snapshot = None
+            else:
+                gm, example_inputs = restored, restored_fakes
     snapshots.append(snapshot)
     return gm, example_inputs
 

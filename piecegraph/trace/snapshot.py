@@ -212,6 +212,20 @@ def _op_writes(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> bool:
     return any(o._schema.is_mutable or not o._schema.returns for o in overloads)
 
 
+def op_writes_count(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many times ``gm`` calls each torch op that may write (:func:`_op_writes`: split ops such as attention,
+    custom ops writing an argument): a restored graph must call them exactly as Dynamo's did, whatever FX's
+    dead-code pass thought of them on the torch at hand (:func:`piecegraph.build` refuses the snapshot else)."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+                and _op_writes(target):
+            name = str(target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:
     """The graph of ``snapshot`` with fresh fakes on its nodes (``meta["example_value"]``, symbolic token
     counts in a new shape env) and the placeholders' fakes, in order. Raises ``ValueError`` on a snapshot of
