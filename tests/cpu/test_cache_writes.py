@@ -148,6 +148,20 @@ def test_in_place_writes_through_inductor_and_the_cache_equal_eager(root):
     assert traces == ["traced", "loaded"]
 
 
+def _decoder_step():
+    """The tiny decoder, one step's metadata and arguments (6 tokens), and an empty snapshot list."""
+    model, cache = Decoder.random(TINY, seed=0).eval(), KVCache.for_sequences(TINY, 1, 32)
+    (_, pos), meta = dummy_inputs(model, cache, 6)
+    return model, meta, {"input_ids": torch.arange(6) % TINY.vocab_size, "positions": pos}, []
+
+
+def _traced_and_eager(model, values, snapshots):
+    """The program traced (piecewise, eager compiler, snapshotting into ``snapshots``) and eager, on ``values``."""
+    config = Config(mode="piecewise", compiler="eager", capture_sizes=(8,), emulate_graphs=True)
+    call, _ = trace_model(model, values, config, [], snapshots=snapshots)
+    return call(**values), model(values["input_ids"], values["positions"])
+
+
 def test_the_decoders_attention_ops_survive_the_snapshot_whatever_fx_calls_pure():
     """The H200's torch 2.11 called Dynamo's ``torch.ops.piecegraph_models.attention(...)`` node (an op packet
     whose result nobody uses) pure: the snapshot dropped every attention op with the projections feeding it, and
@@ -155,17 +169,10 @@ def test_the_decoders_attention_ops_survive_the_snapshot_whatever_fx_calls_pure(
     restored program equals eager."""
     from piecegraph.trace.snapshot import restore_graph
 
-    model, cache = Decoder.random(TINY, seed=0).eval(), KVCache.for_sequences(TINY, 1, 32)
-    config = Config(mode="piecewise", compiler="eager", capture_sizes=(8,), emulate_graphs=True)
-    (ids, pos), meta = dummy_inputs(model, cache, 6)
-    ids = torch.arange(6) % TINY.vocab_size
-    runners: list = []
-    snapshots: list = []
+    model, meta, values, snapshots = _decoder_step()
     with forward_context(meta), torch.no_grad(), _fx_purity(False):
-        call, _ = trace_model(model, {"input_ids": ids, "positions": pos}, config, runners, snapshots=snapshots)
+        got, want = _traced_and_eager(model, values, snapshots)
         gm, _ = restore_graph(snapshots[-1])
-        got = call(input_ids=ids, positions=pos)
-        want = model(ids, pos)
     attention = [n for n in gm.graph.nodes if "piecegraph_models.attention" in str(n.target)]
     assert len(attention) == TINY.num_layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -175,17 +182,10 @@ def test_a_snapshot_that_lost_a_writing_op_is_refused_and_the_start_traces(caplo
     """The guard behind the snapshot's dead-code rule: were a write lost anyway (a torch whose FX calls yet
     another writing node pure), the restored graph calls the writing ops fewer times than Dynamo's, so the start
     keeps Dynamo's graph, snapshots nothing (warm starts trace) and still equals eager."""
-    model, cache = Decoder.random(TINY, seed=0).eval(), KVCache.for_sequences(TINY, 1, 32)
-    config = Config(mode="piecewise", compiler="eager", capture_sizes=(8,), emulate_graphs=True)
-    (ids, pos), meta = dummy_inputs(model, cache, 6)
-    ids = torch.arange(6) % TINY.vocab_size
-    runners: list = []
-    snapshots: list = []
+    model, meta, values, snapshots = _decoder_step()
     blind = mock.patch.object(snapshot_module, "_writes", lambda node: node.op in ("placeholder", "output"))
     with forward_context(meta), torch.no_grad(), blind, caplog.at_level(logging.WARNING, logger="piecegraph"):
-        call, _ = trace_model(model, {"input_ids": ids, "positions": pos}, config, runners, snapshots=snapshots)
-        got = call(input_ids=ids, positions=pos)
-        want = model(ids, pos)
+        got, want = _traced_and_eager(model, values, snapshots)
     assert snapshots == [None]
     assert any("piecegraph_models.attention" in r.getMessage() and "warm starts will trace" in r.getMessage()
                for r in caplog.records)
