@@ -24,6 +24,7 @@ from .config import Config
 from .graphs.capture import capture_batch
 from .graphs.fallback import Advisor, NoAdvice, TraceFixes, trace_or_explain
 from .graphs.progress import capture_bar, summary, wants_bar
+from .ops.auto_opaque import hold_routed
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
 from .program import TokenCountMismatch, check_token_dim, describe, kept_buffers, token_arguments
@@ -160,6 +161,9 @@ class GraphedModule(torch.nn.Module):
         with compile_cache(self.model, values, self.config, self._startup.cache) as entry:
             self._setup_stages(values, entry)
         self._startup.setup_s = time.perf_counter() - start
+        held = hold_routed()  # Dynamo may have traced through another module's automatic opaque routes
+        if held.ops:
+            weakref.finalize(self, held.undo)
 
     def _setup_stages(self, values: dict[str, Any], entry: CacheEntry) -> None:
         """Prewarm, then trace (or load the cache's traced program) and compile as the mode says (timed into

@@ -10,8 +10,9 @@
 3. :func:`route`: the op's drop-in is bound where the model looks the function up (every module global that holds
    it, the library's attribute included, and attributes of the model's submodules; for a method of an object the
    model holds, ``obj.run(...)``, an attribute of that one instance); every rebound name is
-   recorded in a :class:`Routes`, undone by :meth:`Routes.undo` (a GraphedModule's release) or by
-   :func:`unroute_all` (``piecegraph.unfreeze()``).
+   kept while an owner holds the op (a :class:`Routes`: the module that wrapped it, and any module traced through
+   the routes since, :func:`hold_routed`), undone when the last releases it (:meth:`Routes.undo`, a
+   GraphedModule's release) or by :func:`unroute_all` (``piecegraph.unfreeze()``).
 
 :func:`opaque_line` writes the ``piecegraph.opaque(...)`` line that makes a wrapped function permanent.
 """
@@ -38,7 +39,7 @@ from piecegraph.ops.probe_fake import Call, Inferred, ProbeRefused, infer_fake, 
 from piecegraph.ops.signature import hints_of, op_schema
 
 __all__ = ["AutoOp", "AutoOpaqueUnseen", "Routes", "opaque_line", "record_calls", "infer", "register", "wrap", "route",
-           "unroute_all", "auto_ops"]
+           "hold_routed", "unroute_all", "auto_ops"]
 
 
 class AutoOpaqueUnseen(RuntimeError):
@@ -59,6 +60,8 @@ class AutoOp:
     ret: Any = None  # the return type the fake gives (when fn has no annotation)
     wrapper: Optional[Callable] = None  # the opaque drop-in, once registered
     spots: list = field(default_factory=list)
+    holders: int = 0  # the Routes that keep the spots bound (see Routes.undo)
+    generation: int = 0  # bumped by unroute_all: holds taken before it are void
 
 
 # The automatic part of the op registry: identity(public function) -> its AutoOp. An op is registered once per function
@@ -280,28 +283,45 @@ def wrap(fn: Callable, alias: str, calls: list[Call], target: Optional[str] = No
 # --------------------------------------------------------------------------------------------------- routing
 @dataclass
 class Routes:
-    """The names rebound to automatic opaque ops for one owner; :meth:`undo` puts back exactly those."""
+    """One owner's hold on automatic opaque ops' routes. An op's names stay routed while any owner holds it: a
+    module traced through routes another module made (Dynamo saw the drop-in, so nothing was wrapped for it) holds
+    them too (:func:`hold_routed`), or releasing the other module would unroute them under it."""
 
-    pairs: list = field(default_factory=list)  # (AutoOp, Spot)
+    ops: list = field(default_factory=list)  # (AutoOp, its generation when held), one entry per hold
 
     def undo(self) -> None:
-        """Put the original functions back where these routes rebound them (names rebound since are left)."""
-        while self.pairs:
-            op, spot = self.pairs.pop()
-            undo_spots([spot])
-            # By identity: == on spots would compare their namespaces, tensors and all (and raise).
-            op.spots[:] = [s for s in op.spots if s is not spot]
+        """Release the holds; the last holder of an op puts its original functions back where they were routed
+        (names rebound since are left). A second call does nothing, nor does a hold :func:`unroute_all` voided
+        (a module released after ``unfreeze()`` must not unroute what a newer module routed since)."""
+        while self.ops:
+            op, generation = self.ops.pop()
+            if generation != op.generation:
+                continue
+            op.holders -= 1
+            if op.holders <= 0:
+                op.holders = 0
+                undo_spots(op.spots)
+                op.spots.clear()
 
     def add(self, other: "Routes") -> None:
-        self.pairs += other.pairs
+        self.ops += other.ops
+        other.ops = []
 
 
 def route(op: AutoOp, model: Any = None) -> Routes:
     """Bind ``op``'s drop-in wherever the model may look its function up (module globals, the library's own
-    attributes, the model's submodules' attributes); returns the routes to undo."""
-    spots = _rebind({id(op.fn): (op.fn, op.wrapper)}, model)
-    op.spots += spots
-    return Routes([(op, s) for s in spots])
+    attributes, the model's submodules' attributes); returns the hold to release."""
+    op.spots += _rebind({id(op.fn): (op.fn, op.wrapper)}, model)
+    op.holders += 1
+    return Routes([(op, op.generation)])
+
+
+def hold_routed() -> Routes:
+    """A hold on every automatic opaque op routed now (what a trace made now may have gone through)."""
+    held = [op for op in _AUTO.values() if op.spots]
+    for op in held:
+        op.holders += 1
+    return Routes([(op, op.generation) for op in held])
 
 
 def unroute_all(package: Optional[str] = None) -> list[str]:
@@ -314,4 +334,5 @@ def unroute_all(package: Optional[str] = None) -> list[str]:
             names.append(op.entry)
             undo_spots(op.spots)
             op.spots.clear()
+            op.holders, op.generation = 0, op.generation + 1
     return names

@@ -120,6 +120,52 @@ def test_routes_are_undone_when_the_module_is_released_and_by_unfreeze():
     assert not is_opaque(jitlib_auto.bmm)
 
 
+def _graphed_gemm(n: int):
+    graphed = piecegraph.compile(GemmOnly().eval(), mode="auto", compiler="eager")
+    x = torch.randn(n, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(graphed(x), graphed.model(x))
+    return graphed
+
+
+def _routed() -> bool:
+    return is_opaque(jitlib_auto.bmm) and is_opaque(jitlib_auto.ops.bmm) and is_opaque(bmm)
+
+
+def test_a_module_traced_through_anothers_routes_keeps_them_after_that_one_is_released():
+    """Module b traces through the routes module a made (Dynamo sees the drop-in, so nothing is wrapped for b):
+    releasing a must not unroute them under b; the last release does."""
+    a = _graphed_gemm(4)
+    b = _graphed_gemm(6)
+    assert b.stats().get("auto_opaque") is None and _routed()  # b wrapped nothing itself
+    del a
+    gc.collect()
+    assert _routed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(b(x), b.model(x))
+    del b
+    gc.collect()
+    assert not is_opaque(jitlib_auto.bmm) and not is_opaque(bmm)
+
+
+def test_a_module_released_after_unfreeze_leaves_newer_routes_alone():
+    """CI once saw this: an earlier test's module, freed by the garbage collector after unfreeze() and after a
+    newer module had routed the same function, put the original back under the newer module."""
+    a = _graphed_gemm(4)
+    piecegraph.unfreeze()
+    b = _graphed_gemm(6)
+    assert _routed()
+    del a
+    gc.collect()
+    assert _routed()
+    del b
+    gc.collect()
+    assert not is_opaque(jitlib_auto.bmm)
+
+
 def test_auto_opaque_false_keeps_the_old_fallback():
     graphed = piecegraph.compile(GemmOnly().eval(), mode="auto", compiler="eager", auto_opaque=False)
     with pytest.warns(UserWarning, match="does not trace with Dynamo"):
