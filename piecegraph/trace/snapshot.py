@@ -304,4 +304,3 @@ class _Arg:
     source: _Source
     example: Any = None
     fake_tensor: Any = None
-
