@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,11 +43,10 @@ def _stream_times(url: str, body: dict) -> list[float]:
 
 
 def _read_reference(path: str | None, prompts: list[list[int]], new: int) -> dict | None:
-    try:
-        with open(path or "", encoding="utf-8") as f:
-            saved = json.load(f)
-    except OSError:
+    if not path or not os.path.exists(path):
         return None
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
     if saved["prompts"] != prompts or saved["new"] != new:
         raise SystemExit(f"--reference {path} holds other prompts or lengths; remove it")
     return saved

@@ -31,10 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("pgwrites")
 
-# In-place writes whose result nothing reads: Dynamo records them as nodes without users (``y.add_(1)`` as a
-# call_method), which FX's dead-code pass calls pure. Each entry: name -> f(y, pos), writing y in place. (A
-# model writing ``y[i] = v`` is not snapshotted at all: FX cannot re-trace a Proxy's item assignment, so such a
-# model traces on every start.)
+
 _LIB = torch.library.Library("pgtest_writes", "DEF")  # ops that write one argument and return nothing
 _LIB.define("bump(Tensor(a!) y) -> ()")
 _LIB.define("scaled_into(Tensor x, Tensor(a!) out) -> ()")
@@ -53,6 +50,10 @@ _LIB.impl("scaled_into", _scaled_into, "CPU")
 torch.library.register_fake("pgtest_writes::bump", lambda y: None, lib=_LIB)
 torch.library.register_fake("pgtest_writes::scaled_into", lambda x, out: None, lib=_LIB)
 
+# In-place writes whose result nothing reads: Dynamo records them as nodes without users (``y.add_(1)`` as a
+# call_method), which FX's dead-code pass calls pure. Each entry: name -> f(y, pos), writing y in place. (A
+# model writing ``y[i] = v`` is not snapshotted at all: FX cannot re-trace a Proxy's item assignment, so such a
+# model traces on every start.)
 INPLACE = {
     "op packet": lambda y, pos: torch.ops.pgtest_writes.bump(y),  # Dynamo records the packet
     "op overload": lambda y, pos: torch.ops.pgtest_writes.scaled_into.default(y * 0.5, y),
