@@ -164,6 +164,61 @@ def measure_url(url: str, model: str, work: Sequence[tuple[list[int], int]], con
     return {"concurrency": concurrency, **summarize_requests(done, seconds)}
 
 
+ENGINE_SERIES = {"piecegraph_engine_loop_seconds_total": "part", "piecegraph_engine_step_phase_seconds_total": "phase",
+                 "piecegraph_engine_steps_total": "kind"}
+SETTLE_S = 1.5  # front ends share their metrics with each other once a second: a scrape after this sees all
+
+
+def engine_counters(url: str) -> dict[str, dict[str, float]] | None:
+    """The engine's counters from ``url``'s ``/metrics`` (a piecegraph server's: loop seconds by part, step
+    seconds by phase, steps by kind), or ``None`` when the server has none of them (vLLM, SGLang, no
+    ``/metrics``)."""
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in ENGINE_SERIES or "}" not in rest:
+            continue
+        labels, _, value = rest.rpartition("} ")
+        label = dict(part.split("=", 1) for part in labels.split(",")).get(ENGINE_SERIES[name], '""').strip('"')
+        out.setdefault(name, {})[label] = float(value)
+    return out or None
+
+
+def engine_share(before: dict | None, after: dict | None, seconds: float) -> dict[str, Any] | None:
+    """What the server's engine did between two :func:`engine_counters` scrapes around a run of ``seconds``: its
+    loop's seconds by part and their share of the run (idle is not shared out: the scrapes' waits are in it),
+    mean host ms per step by phase, and steps; ``None`` without both scrapes."""
+    if not before or not after:
+        return None
+
+    def delta(name: str) -> dict[str, float]:
+        now, then = after.get(name, {}), before.get(name, {})
+        return {k: v - then.get(k, 0.0) for k, v in now.items()}
+
+    loop, phases = delta("piecegraph_engine_loop_seconds_total"), delta("piecegraph_engine_step_phase_seconds_total")
+    steps = sum(delta("piecegraph_engine_steps_total").values())
+    busy = {k: v for k, v in loop.items() if k != "idle"}
+    return {"steps": int(steps), "loop_s": {k: round(v, 4) for k, v in loop.items()},
+            "loop_share": {k: round(v / seconds, 4) for k, v in busy.items()} if seconds > 0 else {},
+            "phase_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in phases.items()} if steps else {}}
+
+
+def describe_share(share: dict[str, Any] | None) -> str:
+    """One line for the log: the engine loop's busy shares of the run and the step phases."""
+    if not share or not share["loop_share"]:
+        return ""
+    parts = " · ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(share["loop_share"].items(), key=lambda kv: -kv[1]))
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in share["phase_ms_per_step"].items())
+    return f"engine loop busy: {parts} of the run; {share['steps']} steps, host ms per step: {phases}"
+
+
 def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int], *, warmup: int = 2,
               token_ids: bool = True, log: Any = print) -> dict[str, Any]:
     """Every concurrency against ``url`` (after ``warmup`` short requests); a result in the in-process sweep's
@@ -176,13 +231,28 @@ def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dic
     if warmup:
         warm = Workload(min(workload.input_len, 64), min(workload.output_len, 8), 0.0, workload.seed)
         measure_url(url, model, warm.requests(warmup, vocab, salt=-1), warmup, token_ids=token_ids)
+    counters = _settled_counters(url)
     for c in concurrencies:
         row = {"mode": "http", **measure_url(url, model, workload.requests(counts[c], vocab, salt=c), c,
                                              token_ids=token_ids)}
+        before, counters = counters, _settled_counters(url) if counters else None
+        share = engine_share(before, counters, row["duration_s"])
+        if share:
+            row["server_engine"] = share
         result["rows"].append(row)
         log(f"http c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} output "
             f"tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms")
+        if share:
+            log(f"  {describe_share(share)}")
     return result
+
+
+def _settled_counters(url: str) -> dict | None:
+    counters = engine_counters(url)
+    if counters:  # a piecegraph server: let every front end's share of the counters arrive first
+        time.sleep(SETTLE_S)
+        counters = engine_counters(url)
+    return counters
 
 
 def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int],

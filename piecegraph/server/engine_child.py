@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import time
 import traceback
-from collections import Counter, deque
+from collections import deque
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
@@ -21,17 +21,19 @@ import torch
 from piecegraph.server.loop import Event, Ticket
 
 
-class KindCounter:
-    """Stands in for metrics in the child: counts steps by kind until the next event batch takes them."""
+class CounterBatch:
+    """Stands in for metrics in the child: adds up counter increments (steps by kind, loop and phase seconds) until
+    the next event batch takes them to the front ends, as ``(name, labels, value)`` rows."""
 
     def __init__(self) -> None:
-        self.kinds: Counter = Counter()
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        self.kinds[labels.get("kind", "unknown")] += int(value)
+        key = (name, tuple(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + value
 
-    def take(self) -> dict[str, int]:
-        out, self.kinds = dict(self.kinds), Counter()
+    def take(self) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+        out, self.values = [(name, labels, v) for (name, labels), v in self.values.items()], {}
         return out
 
 
@@ -117,12 +119,12 @@ class PipeInbox:
 
 class EventRouter:
     """Sends each front end its requests' events: one message per front end per call (also an empty one when the
-    KV pages in use changed since it last heard), each carrying the pages in use and (the first one) the step
-    kinds counted since the last message. A front end whose pipe is broken is dropped (the inbox sees its EOF
-    and aborts its requests)."""
+    KV pages in use changed since it last heard), each carrying the pages in use and (the first one) the counters
+    added up since the last message (:class:`CounterBatch`). A front end whose pipe is broken is dropped (the
+    inbox sees its EOF and aborts its requests)."""
 
-    def __init__(self, conns: list[Any], owner: dict[str, int], cache: Any, kinds: KindCounter) -> None:
-        self.conns, self.owner, self.cache, self.kinds = dict(enumerate(conns)), owner, cache, kinds
+    def __init__(self, conns: list[Any], owner: dict[str, int], cache: Any, counters: CounterBatch) -> None:
+        self.conns, self.owner, self.cache, self.counters = dict(enumerate(conns)), owner, cache, counters
         self.told: dict[int, dict] = {}  # the KV pages snapshot each front end last got
 
     def send(self, rows: list[tuple]) -> None:
@@ -139,11 +141,12 @@ class EventRouter:
                 self.owner.pop(row[0], None)
         cache = self.cache
         snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
-        kinds = self.kinds.take()
-        for k in list(self.conns):
-            if k in parts or self.told.get(k) != snapshot:  # pages freed by another's requests: say so too
-                self._to(k, ("events", parts.get(k, []), snapshot, kinds))
-                self.told[k], kinds = snapshot, {}
+        # pages freed by another's requests: say so too
+        to = [k for k in self.conns if k in parts or self.told.get(k) != snapshot]
+        counters = self.counters.take() if to else []  # kept for a later message when nobody hears now
+        for k in to:
+            self._to(k, ("events", parts.get(k, []), snapshot, counters))
+            self.told[k], counters = snapshot, []
 
     def broadcast(self, message: tuple) -> None:
         for k in list(self.conns):
@@ -176,8 +179,8 @@ def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], thr
         for conn in events:
             conn.send(("failed", traceback.format_exc()))
         return
-    kinds, inbox = KindCounter(), PipeInbox(commands)
-    router = EventRouter(events, inbox.owner, engine.cache, kinds)
+    counters, inbox = CounterBatch(), PipeInbox(commands)
+    router = EventRouter(events, inbox.owner, engine.cache, counters)
 
     def sink(batch: list[tuple[Ticket, Event]]) -> None:
         router.send([(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch])
@@ -185,7 +188,7 @@ def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], thr
     def step_sink(rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
         router.send([(t.id, ids, reason, None, False) for t, ids, reason in rows])  # servers stamp their own time
 
-    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=kinds, sink=sink, inbox=inbox,
+    loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=counters, sink=sink, inbox=inbox,
                                    step_sink=step_sink)  # the front ends admit
     config = engine.config
     router.broadcast(("ready", {"max_seq_len": config.max_seq_len or engine.model.config.max_seq_len,

@@ -23,6 +23,7 @@ import torch
 
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.request import Request, SamplingParams
+from piecegraph.serve.stats import PHASES
 
 log = logging.getLogger("piecegraph.server")
 
@@ -177,23 +178,37 @@ class EngineLoop:
         device = getattr(self.engine, "device", None)
         if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # the current device is per thread too
+        clock = time.perf_counter
         while True:
             idle = not self.engine.has_work()
             if self._closing.is_set() and idle and not self._live:
                 self._stopped.set()
+            began = clock()
             if not self._take_inbox(block=idle):
                 break
+            taken = clock()
             if not self.engine.has_work():
+                self._spent("idle" if idle else "commands", taken - began)
                 continue
             try:
                 self.engine.step()
             except Exception as err:  # an engine bug must not take the server down: fail who was in flight
                 log.exception("engine step failed; failing %d requests in flight", len(self._live))
                 self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
+            stepped = clock()
             self._count_steps()
             self._publish()
+            self._spent("idle" if idle else "commands", taken - began)
+            self._spent("step", stepped - taken)
+            self._spent("publish", clock() - stepped)
         self._abort_all_at_stop()
         self._stopped.set()
+
+    def _spent(self, part: str, seconds: float) -> None:
+        """Where the loop's wall time goes (``/metrics``, ``serve-bench --url``): which part of a step is on the
+        critical path when the server falls behind the in-process engine."""
+        if self.metrics is not None:
+            self.metrics.inc("piecegraph_engine_loop_seconds_total", seconds, part=part)
 
     def _take_inbox(self, block: bool) -> bool:
         """Apply queued commands; ``False`` when told to stop. Blocks for the first one when idle."""
@@ -300,8 +315,14 @@ class EngineLoop:
         if not isinstance(steps, list):
             return
         if self.metrics is not None:
+            phases = [0.0] * len(PHASES)
             for record in steps[self._steps_seen:]:
                 self.metrics.inc("piecegraph_engine_steps_total", kind=str(getattr(record, "kind", "unknown")))
+                for i, seconds in enumerate(getattr(record, "phases", ())):
+                    phases[i] += seconds
+            if any(phases):
+                for name, seconds in zip(PHASES, phases):
+                    self.metrics.inc("piecegraph_engine_step_phase_seconds_total", seconds, phase=name)
         self._steps_seen = len(steps)
         if self._steps_seen > 10_000:  # a server runs for days: keep the engine's per-step records bounded
             self.engine.reset_stats()

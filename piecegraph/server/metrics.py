@@ -25,6 +25,11 @@ SERIES = {
     "piecegraph_requests_waiting": ("gauge", "Accepted requests without a first token yet (queue depth)."),
     "piecegraph_requests_running": ("gauge", "Requests generating."),
     "piecegraph_engine_steps_total": ("counter", "Engine steps by graph kind (full, piecewise, none, eager, ...)."),
+    "piecegraph_engine_loop_seconds_total": ("counter", "Engine loop wall seconds by part: step (scheduling, "
+                                             "launch, waiting for tokens), publish (tokens to the front ends), "
+                                             "commands (new requests, aborts), idle (waiting for work)."),
+    "piecegraph_engine_step_phase_seconds_total": ("counter", "Engine step host seconds by phase (schedule, "
+                                                   "metadata, forward_launch, sample_sync)."),
     "piecegraph_kv_pages_used": ("gauge", "KV-cache pages held by sequences."),
     "piecegraph_kv_pages_total": ("gauge", "KV-cache pages sequences can use (the scratch page excluded)."),
 }

@@ -201,12 +201,12 @@ class ProcessEngineLoop:
             self._eof = True
             return
         if message[0] == "events":
-            _, events, snapshot, kinds = message
+            _, events, snapshot, counters = message
             self._snapshot = snapshot
             self._dispatch(events)
             if self.metrics is not None:
-                for kind, n in kinds.items():
-                    self.metrics.inc("piecegraph_engine_steps_total", n, kind=kind)
+                for name, labels, value in counters:
+                    self.metrics.inc(name, value, **dict(labels))
         elif message[0] == "closed":
             self.finished_at_close, self.aborted_at_close = message[1], message[2]
             self._closed.set()

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 
 from piecegraph.models import TINY, Decoder  # noqa: E402
 from piecegraph.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
+from piecegraph.serve.stats import PHASES  # noqa: E402
 from piecegraph.server.run import BackgroundServer, build_state  # noqa: E402
 from piecegraph.server.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -250,6 +251,19 @@ def test_models_and_metrics(server):
     assert 'piecegraph_engine_steps_total{kind="full"}' in text
     assert 'piecegraph_engine_steps_total{kind="piecewise"}' in text
     assert 'piecegraph_requests_total{finish_reason="length"}' in text
+    # where the engine loop's time goes: its steps' phases add up to the engine's own per-step records
+    metrics, steps = server.state.metrics, list(server.state.loop.engine.steps)
+    for i, phase in enumerate(PHASES):
+        want = sum(s.phases[i] for s in steps)
+        assert metrics.value("piecegraph_engine_step_phase_seconds_total", phase=phase) == pytest.approx(want), phase
+    launched = sum(sum(s.phases[:3]) for s in steps)  # inside step() calls; the last wait may be one step later
+    deadline = time.monotonic() + 5
+    while True:  # the loop adds a step's seconds just after publishing its tokens: give it that moment
+        parts = {p: metrics.value("piecegraph_engine_loop_seconds_total", part=p) for p in ("step", "publish", "idle")}
+        if parts["step"] >= launched or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert parts["step"] >= launched and parts["publish"] > 0 and parts["idle"] > 0, (parts, launched)
 
 
 def test_full_queue_gets_429_with_retry_after(small):

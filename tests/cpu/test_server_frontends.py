@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from piecegraph.models import TINY, Decoder  # noqa: E402
 from piecegraph.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
-from piecegraph.server.engine_child import EventRouter, PipeInbox  # noqa: E402
+from piecegraph.server.engine_child import CounterBatch, EventRouter, PipeInbox  # noqa: E402
 from piecegraph.server.metrics import Metrics  # noqa: E402
 from piecegraph.server.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -78,7 +78,9 @@ def test_events_go_to_the_front_end_that_sent_the_request_and_a_lost_one_is_abor
     class _Cache:
         num_pages, num_free_pages = 9, 5
 
-    router = EventRouter([s for _, s in evs], inbox.owner, _Cache(), _FakeKinds())
+    counters = CounterBatch()
+    counters.inc("piecegraph_engine_steps_total", 2, kind="full")
+    router = EventRouter([s for _, s in evs], inbox.owner, _Cache(), counters)
     params = SamplingParams(max_new_tokens=3)
     cmds[0][1].send(("add", "a", [1], params))
     cmds[1][1].send(("add", "b", [2], params))
@@ -89,7 +91,8 @@ def test_events_go_to_the_front_end_that_sent_the_request_and_a_lost_one_is_abor
     router.send([("a", [5], None, None, False), ("b", [6], "length", None, False), ("c", [7], None, None, False)])
     got0, got1 = evs[0][0].recv(), evs[1][0].recv()
     assert [r[0] for r in got0[1]] == ["a"] and [r[0] for r in got1[1]] == ["b", "c"]
-    assert got0[2] == {"used": 3, "total": 8} and got0[3] == {"full": 2} and got1[3] == {}
+    full = [("piecegraph_engine_steps_total", (("kind", "full"),), 2.0)]
+    assert got0[2] == {"used": 3, "total": 8} and got0[3] == full and got1[3] == []
     assert "b" not in inbox.owner  # finished: its route is gone
     assert not loop.closing
     cmds[0][1].send(("close", 5.0))  # one front end asking alone does not stop the engine for the other
@@ -98,12 +101,6 @@ def test_events_go_to_the_front_end_that_sent_the_request_and_a_lost_one_is_abor
     cmds[1][1].close()  # front end 1 dies: its live request is aborted, and front end 0's close now holds
     inbox.get(1.0)
     assert loop.aborted == ["c"] and loop.closing and inbox.deadline is not None
-
-
-class _FakeKinds:
-    def take(self):
-        out, self.done = ({} if getattr(self, "done", False) else {"full": 2}), True
-        return out
 
 
 class _SlowEngine(Engine):

@@ -12,6 +12,7 @@ import torch
 
 from piecegraph.models import TINY, Decoder
 from piecegraph.serve import Engine, EngineConfig, SamplingParams
+from piecegraph.serve.stats import PHASES
 from piecegraph.server.metrics import SERIES, Metrics
 from piecegraph.server.protocol import APIError, CompletionRequest, parse
 from piecegraph.server.stream import TextStream
@@ -199,6 +200,13 @@ def test_serve_bench_url_drives_a_running_server(tmp_path):
         assert row["output_tokens"] == sum(n for _, n in work)
     # tokens a handler reads in one chunk share its time (a gap of 0), so on a loaded CPU the median gap can be 0
     assert all(r["ttft_p50_ms"] > 0 and r["itl_mean_ms"] > 0 for r in rows)
+    # the server's engine, read from its /metrics around each run: its steps are the engine's (warm-up aside)
+    shares = [r["server_engine"] for r in rows]
+    assert 0 < sum(s["steps"] for s in shares) <= len(engine.steps)
+    for share in shares:
+        assert 0 < share["loop_share"]["step"] <= 1 and set(share["phase_ms_per_step"]) == set(PHASES)
+        launched = sum(share["phase_ms_per_step"][p] for p in PHASES[:3]) * share["steps"] / 1e3
+        assert share["loop_s"]["step"] >= 0.9 * launched, share  # the phases happen inside the loop's steps
     result = CliRunner().invoke(app, ["serve-bench", "--url", "http://127.0.0.1:9", "--device", "cpu"])
     assert result.exit_code == 1 and "failed" in result.output
 
