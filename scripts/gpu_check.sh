@@ -187,7 +187,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
     echo "http: fastapi/uvicorn are not importable (carry their wheels in .whl/)" | tee -a "$OUT/http_missing.log"
     status=1
   else
-    if [ ! -f "$OUT/http_inprocess.json" ]; then
+    if [ ! -f "$OUT/http_inprocess.json" ] && [ -z "${HTTP_TOKENS_ONLY:-}" ]; then
       python3 -m piecegraph.cli serve-bench --model "$HTTP_MODEL" --attention flashinfer --modes auto \
         --max-batched-tokens 2048 "${common[@]}" --json "$OUT/http_inprocess.json" 2>&1 | tee "$OUT/http_inprocess.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -199,6 +199,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
         --engine-$engine --api-servers "${HTTP_API_SERVERS:-0}" ${HTTP_SERVE_ARGS:-} --log-level warning \
         >"$OUT/http_server_$engine.log" 2>&1 &
       spid=$!
+      trap 'kill -KILL $spid 2>/dev/null; exit 124' TERM  # a timeout must not leave the server on the GPU
       for _ in $(seq 900); do  # start-up traces, compiles and captures every size
         python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
           "http://127.0.0.1:$port/health" 2>/dev/null && break
@@ -220,6 +221,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
         check_tokens "${engine}_after_load"
       fi
       kill -INT $spid; wait $spid
+      trap - TERM
     done
   fi
 fi
