@@ -194,12 +194,13 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
     fi
     for engine in ${HTTP_ENGINES:-process thread}; do
       port=$((8400 + RANDOM % 500))
-      python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
+      setsid python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
         --max-num-seqs "$HTTP_SEQS" --max-batched-tokens 2048 --max-seq-len 832 --port "$port" \
         --engine-$engine --api-servers "${HTTP_API_SERVERS:-0}" ${HTTP_SERVE_ARGS:-} --log-level warning \
         >"$OUT/http_server_$engine.log" 2>&1 &
       spid=$!
-      trap 'kill -KILL $spid 2>/dev/null; exit 124' TERM  # a timeout must not leave the server on the GPU
+      # a timeout must not leave the server (its own process group: engine and front ends too) on the GPU
+      trap 'kill -KILL -- -$spid 2>/dev/null; exit 124' TERM
       for _ in $(seq 900); do  # start-up traces, compiles and captures every size
         python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
           "http://127.0.0.1:$port/health" 2>/dev/null && break
