@@ -32,6 +32,10 @@ OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PIECEGRAPH_OUT="$OUT"
+# The device's torch ships no bytecode caches and Python cannot write them beside it: every process compiled ~1,400
+# modules from source (5 s of a profiled warm start) and kept none. A user's pip install has them; so do we, from the second
+# process on, under a writable prefix.
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pg-pycache}
 PARTS=${PARTS:-"tests overhead attention-cost doctor bench serve"}
 shopt -s nullglob
 wheels=(.whl/*.whl)
