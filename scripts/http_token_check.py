@@ -6,7 +6,8 @@
 Sends ``--prompts`` seeded token-id prompts greedily (``ignore_eos``, ``return_token_ids``) to URL, 8 at a time;
 then builds the same preset in this process with the same engine settings (artifact cache off) and generates the
 same prompts with ``Engine.generate``. Writes whether every request's tokens are equal (bf16 near-ties are named,
-not hidden: the first differing position and its two tokens), and one request alone, timed on both sides: the
+not hidden: the first differing position and its two tokens, which scripts/judge_divergences.py judges
+afterwards on any machine), and one request alone, timed on both sides: the
 server's per-token time from streamed events, the engine's from ``generate`` of one prompt (wall time / tokens).
 ``--reference FILE``: the engine's side is read from FILE when it exists, else computed and written there, so
 checks of several servers (or of one server before and after a load) build the in-process engine once.
@@ -77,6 +78,18 @@ def _engine_reference(args: argparse.Namespace, prompts: list[list[int]]) -> dic
     return {"tokens": local, "engine_ms": engine_ms}
 
 
+def _divergence(i: int, served: list[int], engine: list[int]) -> dict:
+    """Where request ``i``'s tokens first differ, the two tokens there and a window around it (from ``from``), for
+    scripts/judge_divergences.py to judge."""
+    at = next((j for j, (a, b) in enumerate(zip(served, engine)) if a != b), min(len(served), len(engine)))
+    start = max(0, at - 2)
+    row = {"request": i, "position": at, "from": start, "served": served[start:at + 6],
+           "engine": engine[start:at + 6], "served_len": len(served), "engine_len": len(engine)}
+    if at < min(len(served), len(engine)):
+        row["served_token"], row["engine_token"] = served[at], engine[at]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -112,9 +125,7 @@ def main() -> None:
             with open(args.reference, "w") as f:
                 json.dump({"prompts": prompts, "new": args.new, **reference}, f)
     local, engine_ms = reference["tokens"], reference["engine_ms"]
-    differ = [{"request": i, "position": next(j for j, (a, b) in enumerate(zip(s, w)) if a != b) if s[:len(w)] != w
-               else min(len(s), len(w)), "served": s[:8], "engine": w[:8], "served_len": len(s), "engine_len": len(w)}
-              for i, (s, w) in enumerate(zip(served, local)) if s != w]
+    differ = [_divergence(i, s, w) for i, (s, w) in enumerate(zip(served, local)) if s != w]
     result = {"url": url, "model": args.model, "prompts": len(prompts), "new_tokens": args.new,
               "equal": len(prompts) - len(differ), "differ": differ,
               "server_ms_per_token_alone": server_ms, "engine_generate_ms_per_token_alone": engine_ms,

@@ -49,11 +49,10 @@ def serve(
     api_servers: int = typer.Option(0, "--api-servers", min=0, help="HTTP front-end processes on the port, each "
                                     "with its own pipes to the engine process (0: 1 on CPU, on a GPU up to 4, one "
                                     "per 4 cores); one front end streams ~30-45k tokens/s"),
-    cache: bool = typer.Option(False, "--cache/--no-cache", help="keep compiled code in piecegraph's artifact cache "
+    cache: bool = typer.Option(True, "--cache/--no-cache", help="keep compiled code in piecegraph's artifact cache "
                                "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
-                               "restart skips tracing and compiling; Inductor-compiled engines only. Off by default "
-                               "until the engine-level GPU check (tests/gpu/test_cache_gpu.py) has passed since the "
-                               "fix of wrong cached programs on torch 2.11 (see README)"),
+                               "restart skips tracing and compiling; Inductor-compiled engines only (the GPU "
+                               "default; a CPU server compiles with eager and caches nothing)"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -90,7 +89,7 @@ def serve(
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_seq_len or None,
                           compiler=compiler or ("inductor" if gpu else "eager"),
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
-                          cache_dir=cache)  # True: the default folder; off unless asked (see --cache)
+                          cache_dir=cache)  # True: the default folder (or $PIECEGRAPH_CACHE_DIR)
     frontends = api_servers or (default_api_servers(gpu) if engine_process else 1)
     if frontends > 1 and not engine_process:
         raise typer.BadParameter("several API servers need the engine in its own process (--engine-process)",

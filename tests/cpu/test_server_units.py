@@ -286,8 +286,8 @@ def test_client_counts_token_ids_without_parsing_json():
     assert _count_ids(b'data: {"choices": [{"prompt_token_ids": [1, 2], "text": "a"}]}') is None
 
 
-@pytest.mark.parametrize("flag, expected", [([], False), (["--cache"], True), (["--no-cache"], False)])
-def test_serve_keeps_compiled_code_in_the_artifact_cache_only_when_asked(flag, expected, monkeypatch):
+@pytest.mark.parametrize("flag, expected", [([], True), (["--cache"], True), (["--no-cache"], False)])
+def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag, expected, monkeypatch):
     from typer.testing import CliRunner
 
     from piecegraph.cli import app

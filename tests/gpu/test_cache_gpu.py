@@ -41,8 +41,8 @@ def _logits_of(model, backend):
                                       backend=backend)
         meta = AttentionMetadata.for_batch(cache, [(0, 0, len(ids))])
         with forward_context(meta), torch.no_grad():
-            out = model(torch.tensor(ids, device="cuda"), meta.positions)
-        return out[-1].float().cpu()
+            hidden = model(torch.tensor(ids, device="cuda"), meta.positions)
+            return model.logits(hidden[-1:])[0].float().cpu()  # the forward gives hidden states, not logits
     return logits
 
 
