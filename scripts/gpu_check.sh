@@ -25,6 +25,7 @@
 # the FlashInfer GPU tests, run beside the main tests), overhead and doctor, with that FlashInfer first on
 # the path. To make one: pip download --no-deps flashinfer-python==X -d /tmp/fi && mkdir /tmp/fiu &&
 # unzip -q /tmp/fi/*.whl -d /tmp/fiu && tar -C /tmp/fiu -cJf .whl/flashinfer_python-X.tar.xz .
+# REPEATS: runs per concurrency in "serve" and "http" (the median run is reported; a GPU host's runs vary 10-20%).
 # TESTS names the GPU test files to run (default: all of tests/gpu). BUNDLE=NAME.tgz packs everything under
 # OUTDIR into that one archive at the end (the device tool brings back at most 8 files).
 set -uo pipefail
@@ -134,7 +135,7 @@ if has serve; then  # alone on the GPU: continuous batching, every mode, four co
   python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
     --modes "${SERVE_MODES:-eager,breakable,piecewise,auto,auto-sync}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
-    --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
+    --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 --repeats "${REPEATS:-1}" \
     --json "$OUT/serve_bench.json" --plot "$OUT/serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -186,7 +187,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
   HTTP_MODEL=${HTTP_MODEL:-qwen2.5-0.5b} HTTP_CONC=${HTTP_CONC:-1,10,256,1024}
   HTTP_REQ=${HTTP_REQ:-${SERVE_REQUESTS:-4,30,512,1024}} HTTP_SEQS=${HTTP_CONC##*,}
   common=(--input-len 512 --output-len 128 --range-ratio 0.25 --concurrency "$HTTP_CONC" --requests "$HTTP_REQ"
-          --warmup 2 --device cuda)
+          --warmup 2 --device cuda --repeats "${REPEATS:-1}")
   if ! python3 -c "import fastapi, uvicorn" 2>"$OUT/http_missing.log"; then
     echo "http: fastapi/uvicorn are not importable (carry their wheels in .whl/)" | tee -a "$OUT/http_missing.log"
     status=1

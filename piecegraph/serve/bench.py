@@ -14,7 +14,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -109,6 +109,17 @@ def metrics(requests: Sequence[Request], seconds: float) -> dict[str, Any]:
         "total_tok_s": (prompts + outputs) / seconds, **_dist(ttft, "ttft"), **_dist(itl, "itl"),
         "preempted_requests": sum(r.preemptions > 0 for r in requests),
     }
+
+
+def median_run(run: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """``run()`` ``repeats`` times; the row of the run with the median output tok/s (the upper one of an even
+    count), with every run's output tok/s in ``repeats_output_tok_s`` when there was more than one. One machine's
+    runs of the same loop vary by 10-20% on a GPU host (stop 32), more than many differences worth measuring."""
+    rows = [run() for _ in range(max(1, repeats))]
+    if len(rows) == 1:
+        return rows[0]
+    ranked = sorted(rows, key=lambda row: row["output_tok_s"])
+    return {**ranked[len(ranked) // 2], "repeats_output_tok_s": [round(row["output_tok_s"], 1) for row in rows]}
 
 
 def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:

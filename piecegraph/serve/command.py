@@ -96,6 +96,8 @@ def serve_bench(
     emulate: bool | None = typer.Option(None, "--emulate/--no-emulate", help="emulate graph replay (default: on "
                                         "CPU, where CUDA graphs cannot run; the dispatch is then still measured)"),
     warmup: int = typer.Option(2, min=0, help="short warm-up requests per mode before timing"),
+    repeats: int = typer.Option(1, min=1, help="runs per concurrency; the run with the median output tok/s is "
+                                "reported, every run's in repeats_output_tok_s (a GPU host's runs vary 10-20%)"),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="also time a decode-only full-graph "
                                    "loop at concurrency 1 (in auto mode): the ITL floor"),
     seed: int = typer.Option(0, help="seed of the random workload"),
@@ -129,7 +131,7 @@ def serve_bench(
         gpu = device == "cuda"
         work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
         return run_cli(url, work, conc, counts, (rounds, min_requests, max_requests), warmup, json_path, plot_path,
-                       console)
+                       console, repeats)
     if compiler not in ("inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
@@ -147,7 +149,8 @@ def serve_bench(
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_len, compiler=compiler,
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
-                min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference)
+                min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference,
+                repeats=repeats)
     env = {**_environment(model, device, dtype, backend, plan, quant), **run.facts()}
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
@@ -196,5 +199,6 @@ def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "attention_backend": backend,
         "workload": asdict(plan.workload), "engine": asdict(plan.engine), "concurrency": list(plan.concurrencies),
         "requests": {c: plan.num_requests(c) for c in plan.concurrencies}, "warmup": plan.warmup,
+        "repeats": plan.repeats,
         "timing": "wall time (perf_counter) when each step's tokens reach the host (a device sync on GPU)",
     }

@@ -220,10 +220,11 @@ def describe_share(share: dict[str, Any] | None) -> str:
 
 
 def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int], *, warmup: int = 2,
-              token_ids: bool = True, log: Any = print) -> dict[str, Any]:
-    """Every concurrency against ``url`` (after ``warmup`` short requests); a result in the in-process sweep's
-    shape (``mode`` ``"http"``, one row per concurrency), so its tables and JSON apply."""
-    from piecegraph.serve.bench import Workload
+              token_ids: bool = True, log: Any = print, repeats: int = 1) -> dict[str, Any]:
+    """Every concurrency against ``url`` (after ``warmup`` short requests), each run ``repeats`` times (the
+    median run is reported); a result in the in-process sweep's shape (``mode`` ``"http"``, one row per
+    concurrency), so its tables and JSON apply."""
+    from piecegraph.serve.bench import Workload, median_run
 
     url = url.rstrip("/")
     model, vocab = served_model(url)
@@ -231,14 +232,21 @@ def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dic
     if warmup:
         warm = Workload(min(workload.input_len, 64), min(workload.output_len, 8), 0.0, workload.seed)
         measure_url(url, model, warm.requests(warmup, vocab, salt=-1), warmup, token_ids=token_ids)
-    counters = _settled_counters(url)
-    for c in concurrencies:
+    counters = [_settled_counters(url)]
+
+    def run(c: int) -> dict[str, Any]:  # one run, with what the server's engine did meanwhile
         row = {"mode": "http", **measure_url(url, model, workload.requests(counts[c], vocab, salt=c), c,
                                              token_ids=token_ids)}
-        before, counters = counters, _settled_counters(url) if counters else None
-        share = engine_share(before, counters, row["duration_s"])
+        before = counters[0]
+        counters[0] = _settled_counters(url) if before else None
+        share = engine_share(before, counters[0], row["duration_s"])
         if share:
             row["server_engine"] = share
+        return row
+
+    for c in concurrencies:
+        row = median_run(lambda c=c: run(c), repeats)
+        share = row.get("server_engine")
         result["rows"].append(row)
         log(f"http c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} output "
             f"tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms")
@@ -256,7 +264,8 @@ def _settled_counters(url: str) -> dict | None:
 
 
 def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int],
-            rounds: tuple[float, int, int], warmup: int, json_path: Any, plot_path: Any, console: Any) -> None:
+            rounds: tuple[float, int, int], warmup: int, json_path: Any, plot_path: Any, console: Any,
+            repeats: int = 1) -> None:
     """``serve-bench --url``: every concurrency (``counts[c]`` requests, else the rounds rule of ``rounds`` =
     ``(rounds, min_requests, max_requests)``), the serving table, the JSON and the PNG when asked."""
     import typer
@@ -268,13 +277,13 @@ def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[
     console.print(f"[bold]serve-bench --url[/] {url}: concurrency {list(concurrencies)}, requests "
                   f"{[counts[c] for c in concurrencies]}, {workload.input_len} in / {workload.output_len} out")
     try:
-        result = bench_url(url, workload, concurrencies, counts, warmup=warmup,
+        result = bench_url(url, workload, concurrencies, counts, warmup=warmup, repeats=repeats,
                            log=lambda line: console.print(line, markup=False, highlight=False))
     except Exception as err:  # noqa: BLE001  (a refused connection or a server error: say it, exit 1)
         console.print(f"[red]serve-bench --url {url} failed: {type(err).__name__}: {err}[/]")
         raise typer.Exit(1) from None
     env = {"url": url, "model": result["model"], "workload": dataclasses.asdict(workload),
-           "concurrency": list(concurrencies), "requests": counts, "warmup": warmup,
+           "concurrency": list(concurrencies), "requests": counts, "warmup": warmup, "repeats": repeats,
            "timing": "client wall time (time.monotonic: one clock for all client processes) at each streamed event"}
     title = f"serving over HTTP: {result['model']} at {url}; latencies in ms"
     console.print(table([result], title))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from piecegraph.serve.bench import Workload, decode_reference, measure, requests_for
+from piecegraph.serve.bench import Workload, decode_reference, measure, median_run, requests_for
 from piecegraph.serve.config import ENGINE_MODES, EngineConfig
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.executor import Progress
@@ -41,8 +41,9 @@ class Plan:
     """What the sweep runs: modes, concurrencies, request counts (``counts[c]``, else
     :func:`~piecegraph.serve.bench.requests_for` of ``rounds``, ``min_requests``, ``max_requests``), the workload,
     the engine's config (its ``mode`` replaced per mode), warm-up requests per mode, whether to time the
-    decode-only full-graph reference loop (in ``auto``) and whether to estimate what the GPU allows per
-    concurrency (in ``auto``, on CUDA: :mod:`piecegraph.serve.gpu_bound`)."""
+    decode-only full-graph reference loop (in ``auto``), whether to estimate what the GPU allows per
+    concurrency (in ``auto``, on CUDA: :mod:`piecegraph.serve.gpu_bound`) and how many times each concurrency
+    runs (``repeats``: the median run is reported, :func:`~piecegraph.serve.bench.median_run`)."""
 
     modes: tuple[str, ...]
     concurrencies: tuple[int, ...]
@@ -55,6 +56,7 @@ class Plan:
     warmup: int = 2
     reference: bool = True
     gpu_bound: bool = True
+    repeats: int = 1
 
     def num_requests(self, concurrency: int) -> int:
         if concurrency in self.counts:
@@ -75,7 +77,7 @@ def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str],
     works = {}
     for c in plan.concurrencies:
         work = works[c] = plan.workload.requests(plan.num_requests(c), vocab, salt=c)
-        row = measure(engine, work, c)
+        row = median_run(lambda work=work, c=c: measure(engine, work, c), plan.repeats)
         result["rows"].append({"mode": mode, **row})
         log(f"{mode} c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} "
             f"output tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms, "

@@ -275,10 +275,14 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
     result = CliRunner().invoke(app, [
         "serve-bench", "--device", "cpu", "--model", "tiny", "--modes", "eager,auto,auto-sync", "--concurrency", "1,3",
         "--requests", "2,4", "--input-len", "12", "--output-len", "4", "--max-batched-tokens", "32",
-        "--compiler", "eager", "--warmup", "1", "--json", str(out), "--plot", str(png)])
+        "--compiler", "eager", "--warmup", "1", "--repeats", "3", "--json", str(out), "--plot", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     modes = {m["mode"]: m for m in data["modes"]}
+    assert data["env"]["repeats"] == 3
+    for row in (r for m in data["modes"] for r in m["rows"]):  # three runs each, the median one reported
+        runs = row["repeats_output_tok_s"]
+        assert len(runs) == 3 and round(row["output_tok_s"], 1) == sorted(runs)[1], row
     assert set(modes) == {"eager", "auto", "auto-sync"} and png.stat().st_size > 0
     assert [m["rows"][0]["overlap"] for m in data["modes"]] == [True, True, False]
     assert "decode_reference" not in modes["auto-sync"]  # the same loop as auto's: timed once
@@ -379,3 +383,26 @@ def test_top_p_samples_only_inside_the_nucleus_and_is_checked():
     for bad in (0, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="SamplingParams.top_p"):
             SamplingParams(top_p=bad)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(1.0, 1e5, allow_nan=False), min_size=1, max_size=7))
+def test_median_run_reports_the_run_with_the_median_throughput(speeds):
+    """Property: every run happens once, in order; the reported row is one of them, the upper median by output
+    tok/s, with every run's rate listed in run order (one run: its row as it is)."""
+    from piecegraph.serve.bench import median_run
+
+    calls = iter(speeds)
+    seen = []
+
+    def run():
+        seen.append(next(calls))
+        return {"output_tok_s": seen[-1], "run": len(seen) - 1}
+
+    row = median_run(run, len(speeds))
+    assert seen == speeds
+    assert row["output_tok_s"] == sorted(speeds)[len(speeds) // 2] and speeds[row["run"]] == row["output_tok_s"]
+    if len(speeds) > 1:
+        assert row["repeats_output_tok_s"] == [round(v, 1) for v in speeds]
+    else:
+        assert "repeats_output_tok_s" not in row

@@ -191,10 +191,11 @@ def test_serve_bench_url_drives_a_running_server(tmp_path):
     out = tmp_path / "http.json"
     with BackgroundServer(build_state(engine, TOK, "tiny")) as server:
         result = CliRunner().invoke(app, ["serve-bench", "--url", server.url, "--concurrency", "1,4", "--requests",
-                                          "6", "--device", "cpu", "--json", str(out)])
+                                          "6", "--device", "cpu", "--repeats", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["modes"][0]["rows"]
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["requests"] == 6 for r in rows)
+    assert all(len(r["repeats_output_tok_s"]) == 2 for r in rows)  # the upper of two runs reported
     for row in rows:  # every token of the workload arrived (token ids in the events, ignore_eos honoured)
         work = Workload(32, 8, 0.25, 0).requests(6, TINY.vocab_size, salt=row["concurrency"])
         assert row["output_tokens"] == sum(n for _, n in work)
