@@ -52,7 +52,7 @@ def serve(
     cache: bool = typer.Option(True, "--cache/--no-cache", help="keep compiled code in piecegraph's artifact cache "
                                "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
                                "restart skips tracing and compiling; Inductor-compiled engines only (the GPU "
-                               "default; a CPU server compiles with eager and caches nothing)"),
+                               "default; on CPU the default compiler is eager: nothing to cache)"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
