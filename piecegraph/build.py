@@ -151,8 +151,8 @@ def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, 
     check_fresh(snapshot.graph)
     binding = restore_binding(snapshot.binding, model)
     gm, fakes = restore_graph(snapshot.graph)
+    memory = graph_memory(gm, config)  # in trace_s, as a traced start counts it
     startup.trace_s += time.perf_counter() - start
-    memory = graph_memory(gm, config)
     start = time.perf_counter()
     program = build_program(gm, fakes, config)
     startup.compile_s += time.perf_counter() - start
