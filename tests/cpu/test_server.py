@@ -251,20 +251,26 @@ def test_models_and_metrics(server):
     assert 'piecegraph_engine_steps_total{kind="full"}' in text
     assert 'piecegraph_engine_steps_total{kind="piecewise"}' in text
     assert 'piecegraph_requests_total{finish_reason="length"}' in text
-    # where the engine loop's time goes: its steps' phases add up to the engine's own per-step records
-    metrics, steps = server.state.metrics, list(server.state.loop.engine.steps)
+    # where the engine loop's time goes: its steps' phases add up to the engine's own per-step records, read once
+    # the loop is idle (a step still in flight is recorded, and its seconds added, one loop iteration later)
+    metrics, engine = server.state.metrics, server.state.loop.engine
+
+    def loop_seconds() -> dict[str, float]:
+        return {p: metrics.value("piecegraph_engine_loop_seconds_total", part=p) for p in ("step", "publish", "idle")}
+
+    deadline, before = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        now = (len(engine.steps), loop_seconds()["step"], engine.has_work())
+        if now == before and not now[2]:
+            break
+        before = now
+        time.sleep(0.05)
+    steps, parts = list(engine.steps), loop_seconds()
     for i, phase in enumerate(PHASES):
         want = sum(s.phases[i] for s in steps)
         assert metrics.value("piecegraph_engine_step_phase_seconds_total", phase=phase) == pytest.approx(want), phase
-    launched = sum(sum(s.phases[:3]) for s in steps)  # inside step() calls; the last wait may be one step later
-    deadline = time.monotonic() + 5
-    while True:  # the loop adds a step's seconds just after publishing its tokens: give it that moment
-        parts = {p: metrics.value("piecegraph_engine_loop_seconds_total", part=p) for p in ("step", "publish", "idle")}
-        if parts["step"] >= launched or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
+    launched = sum(sum(s.phases[:3]) for s in steps)  # measured inside the loop's step() calls
     assert parts["step"] >= launched and parts["publish"] > 0 and parts["idle"] > 0, (parts, launched)
-
 
 def test_full_queue_gets_429_with_retry_after(small):
     body = {"model": "tiny", "prompt": "hold", "max_tokens": 200, "temperature": 0, "stream": True}
