@@ -33,9 +33,9 @@ OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PIECEGRAPH_OUT="$OUT"
-# The device's torch ships no bytecode caches and Python cannot write them beside it: every process compiled ~1,400
-# modules from source (5 s of a profiled warm start) and kept none. A user's pip install has them; so do we, from the second
-# process on, under a writable prefix.
+# The device's torch ships no bytecode caches and keeps none: a warm start's process compiled ~1,400 modules from
+# source (5 s of its profile). A user's pip install has them; so do we, from the second process on, under a
+# writable prefix (its effect on the warm start is not measured yet: stop 32's next machine was slower throughout).
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pg-pycache}
 PARTS=${PARTS:-"tests overhead attention-cost doctor bench serve"}
 shopt -s nullglob
