@@ -191,6 +191,9 @@ def test_two_front_ends_serve_the_engines_tokens_and_share_the_load(two_front_en
     assert 0 < own < 32, own  # both processes served (all 32 on one: odds 2^-31)
     assert _metric(server.url, "piecegraph_generation_tokens_total") == 32 * NEW
     assert _metric(server.url, "piecegraph_kv_pages_used") == 0
+    # the engine process's loop and step-phase seconds reach /metrics through the front ends' pipes
+    assert _metric(server.url, 'piecegraph_engine_loop_seconds_total{part="step"}') > 0
+    assert _metric(server.url, 'piecegraph_engine_step_phase_seconds_total{phase="forward_launch"}') > 0
 
 
 def test_a_front_end_that_dies_takes_only_its_requests(two_front_ends):
