@@ -76,8 +76,13 @@ def main() -> None:
     for path in args.checks:
         with open(path, encoding="utf-8") as f:
             check = json.load(f)
-        name = check["model"]
-        config = {"qwen2.5-0.5b": QWEN2_5_0_5B, "tiny": TINY}[name]
+        name, presets = check["model"], {"qwen2.5-0.5b": QWEN2_5_0_5B, "tiny": TINY}
+        if name not in presets:
+            raise SystemExit(f"{path}: model {name!r} is not a preset this judge rebuilds ({', '.join(presets)})")
+        if check["prompts"] != len(reference["prompts"]):
+            raise SystemExit(f"{path} checked {check['prompts']} prompts, {args.reference} holds "
+                             f"{len(reference['prompts'])}: not the same check")
+        config = presets[name]
         model = load_model(name, "cpu", torch.bfloat16).float()  # bf16 weights, float32 arithmetic
         rows = judge(reference, check, _logits_of(model, config))
         out[os.path.basename(path)] = rows

@@ -232,14 +232,14 @@ def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dic
     if warmup:
         warm = Workload(min(workload.input_len, 64), min(workload.output_len, 8), 0.0, workload.seed)
         measure_url(url, model, warm.requests(warmup, vocab, salt=-1), warmup, token_ids=token_ids)
-    counters = [_settled_counters(url)]
+    counters = _settled_counters(url)
 
     def run(c: int) -> dict[str, Any]:  # one run, with what the server's engine did meanwhile
+        nonlocal counters
         row = {"mode": "http", **measure_url(url, model, workload.requests(counts[c], vocab, salt=c), c,
                                              token_ids=token_ids)}
-        before = counters[0]
-        counters[0] = _settled_counters(url) if before else None
-        share = engine_share(before, counters[0], row["duration_s"])
+        before, counters = counters, _settled_counters(url) if counters else None
+        share = engine_share(before, counters, row["duration_s"])
         if share:
             row["server_engine"] = share
         return row

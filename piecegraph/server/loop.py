@@ -187,8 +187,8 @@ class EngineLoop:
             if not self._take_inbox(block=idle):
                 break
             taken = clock()
+            self._spent("idle" if idle else "commands", taken - began)
             if not self.engine.has_work():
-                self._spent("idle" if idle else "commands", taken - began)
                 continue
             try:
                 self.engine.step()
@@ -198,7 +198,6 @@ class EngineLoop:
             stepped = clock()
             self._count_steps()
             self._publish()
-            self._spent("idle" if idle else "commands", taken - began)
             self._spent("step", stepped - taken)
             self._spent("publish", clock() - stepped)
         self._abort_all_at_stop()

@@ -40,3 +40,19 @@ def test_the_judge_reads_the_models_logits_at_each_divergence():
     # the server's token, when recorded, is measured against the engine's: its own token is 0 steps away
     check["differ"][0]["served_token"] = tokens[0][0]
     assert judge.judge(reference, check, judge._logits_of(model, TINY))[0]["steps_to_served"] == 0
+
+
+def test_the_judge_refuses_a_check_it_cannot_rebuild_or_match(tmp_path, monkeypatch):
+    import json
+
+    import pytest
+
+    judge = _script()
+    ref, check = tmp_path / "ref.json", tmp_path / "check.json"
+    ref.write_text(json.dumps({"prompts": [[1, 2]], "tokens": [[3, 4]]}))
+    for body, words in (({"model": "llama-7b-shape", "prompts": 1, "differ": []}, "'llama-7b-shape' is not a preset"),
+                        ({"model": "tiny", "prompts": 16, "differ": []}, "checked 16 prompts")):
+        check.write_text(json.dumps(body))
+        monkeypatch.setattr("sys.argv", ["judge_divergences.py", str(ref), str(check)])
+        with pytest.raises(SystemExit, match=words):
+            judge.main()
