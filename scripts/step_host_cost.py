@@ -10,7 +10,7 @@ measured here does not depend on the model: only on rows, tokens and pages), and
   plan: the backend's ``plan`` is a stub that only records the layout);
 - ``for_batch_dense``: the same with a backend that reads the dense decode page table (the torch backend's
   path; its own mask planning is left out, it is not step-building work);
-- ``page_layout``: the FlashInfer backend's ``_page_layout`` (host half of its eager plan, ``kv_indices``
+- ``page_layout``: the FlashInfer backend's ``page_layout`` (host half of its eager plan, ``kv_indices``
   gathered from the cache's device page table), pure Python/torch, so it runs on CPU.
 
 Workloads (page size 16, token budget 2048): ``decode`` = N running sequences of 512-560 tokens each adding one
@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from piecegraph.attention import AttentionMetadata
-from piecegraph.attention.backends.flashinfer import _page_layout
+from piecegraph.attention.backends.flashinfer_layout import page_layout
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.models import TINY
 from piecegraph.serve.inputs import build_inputs
@@ -103,7 +103,7 @@ def _run(rows: int, mixed: bool, steps: int, warmup: int = 4, seed: int = 0) -> 
         cache.backend = lazy
         meta = AttentionMetadata.for_batch(cache, seqs)
         t3 = clock()
-        _page_layout(meta.layout, cache.device, table=cache.device_table())
+        page_layout(meta.layout, cache.device, table=cache.device_table())
         t4 = clock()
         cache.backend = dense
         AttentionMetadata.for_batch(cache, seqs)

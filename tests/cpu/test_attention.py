@@ -190,7 +190,7 @@ def test_device_page_table_mirrors_the_host_tables_and_gathers_the_same_layouts(
     """Random grows and frees (length 0 = free): the device table, updated incrementally, equals the host page
     lists row by row (scratch elsewhere, row 0 all scratch); a decode step's gathered dense table and FlashInfer's
     gathered CSR ``kv_indices`` equal the ones built from the host lists."""
-    from piecegraph.attention.backends.flashinfer import _page_layout
+    from piecegraph.attention.backends.flashinfer_layout import page_layout
 
     cache = _shuffled_cache(num_pages=40, page_size=page_size, seed=seed)
     lengths: dict = {}
@@ -220,7 +220,7 @@ def test_device_page_table_mirrors_the_host_tables_and_gathers_the_same_layouts(
     layout = meta.layout
     host_pages = layout.__class__(layout.seq_ids, layout.num_new, layout.kv_lens,
                                   tuple(cache.page_table(s) for s in layout.seq_ids), page_size)  # no slots
-    gathered, _ = _page_layout(layout, cache.device, table=cache.device_table())
-    built, _ = _page_layout(host_pages, cache.device)
+    gathered, _ = page_layout(layout, cache.device, table=cache.device_table())
+    built, _ = page_layout(host_pages, cache.device)
     for name in ("kv_indices", "kv_indptr", "kv_last_page_len"):
         assert torch.equal(gathered[name], built[name]), name

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from piecegraph.attention import AttentionMetadata
-from piecegraph.attention.backends.flashinfer import _page_layout
+from piecegraph.attention.backends.flashinfer_layout import HostInts, page_layout
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.models import TINY
 from piecegraph.serve.inputs import build_inputs
@@ -153,10 +153,17 @@ def test_flashinfer_page_layout_equals_the_per_row_algorithm(batch, device_table
     page_size, seqs, seed = batch
     cache, meta = _step(page_size, seqs, seed, device_table, False)
     table = cache.device_table() if device_table else None
-    dev, cpu = _page_layout(meta.layout, cache.device, indices_only=indices_only, table=table)
+    dev, cpu = page_layout(meta.layout, cache.device, indices_only=indices_only, table=table)
     want = _ref_page_layout(cache, seqs)
     for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
         assert cpu[name].dtype == torch.int32 and cpu[name].tolist() == want[name], name
+    kv_lens = [cached + new for _, cached, new in seqs]
+    assert cpu["seq_lens"].dtype == torch.int32 and cpu["seq_lens"].tolist() == kv_lens
+    # what FlashInfer 0.5.3's plan() computes from them, the way it does: Python's max() over the host tensors
+    qo = cpu["qo_indptr"]
+    assert isinstance(qo, HostInts) and isinstance(cpu["seq_lens"], HostInts)
+    assert max(cpu["seq_lens"]).item() == max(kv_lens)
+    assert max(qo[1:] - qo[:-1]).item() == max(new for _, _, new in seqs)
     names = ["kv_indices"]
     names += [] if indices_only else ["kv_indptr", "kv_last_page_len"]
     assert sorted(dev) == sorted(names)
@@ -192,3 +199,16 @@ def test_build_inputs_equals_the_per_row_algorithm(data, n):
     if ends is not None:
         assert got.last_rows.tolist() == ends
     assert got.sampled == sampled
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.integers(-2**31, 2**31 - 1), min_size=1, max_size=300))
+def test_host_ints_iterate_as_python_ints_and_compute_as_tensors(values):
+    plain = torch.tensor(values, dtype=torch.int32)
+    fast = plain.clone().as_subclass(HostInts)
+    assert [x.item() for x in fast] == [x.item() for x in plain] == values
+    assert max(fast).item() == max(values) and min(fast).item() == min(values)
+    diff = fast[1:] - fast[:-1]  # torch ops keep the type (FlashInfer's max over qo_indptr differences)
+    assert isinstance(diff, HostInts) and torch.equal(diff.as_subclass(torch.Tensor), plain[1:] - plain[:-1])
+    rows = fast.reshape(1, -1)  # anything but 1-d iterates as a tensor does
+    assert [r.tolist() for r in rows] == [values]

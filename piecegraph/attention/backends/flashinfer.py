@@ -4,8 +4,10 @@
 skips it) turns the step's :class:`BatchLayout` into FlashInfer's CSR page layout (``qo_indptr``, ``kv_indptr``,
 ``kv_indices``, ``kv_last_page_len``); the device half goes in one packed copy. ``kv_indices`` is gathered on the
 device from the cache's persistent page table (:meth:`KVCache.device_table`) by each row's slot, so a step sends O(rows)
-ints whatever its context; ``plan()``'s host arguments (indptr, last page lengths) go in pinned memory, since
-``plan()`` copies them to the device and a copy from pageable memory waits for the stream. A pure decode step plans a
+ints whatever its context; ``plan()``'s host arguments (indptr, last page lengths, KV lengths) go in pinned memory,
+since ``plan()`` copies them to the device and a copy from pageable memory waits for the stream, and the lengths it
+takes a ``max()`` of as :class:`~piecegraph.attention.backends.flashinfer_layout.HostInts` (``flashinfer_layout.py``
+says why). A pure decode step plans a
 ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores); anything else (prefill, mixed, chunked-prefill
 continuation) a causal ``BatchPrefillWithPagedKVCacheWrapper`` (FlashInfer aligns the causal mask bottom-right,
 which is where a step's new tokens sit). ``forward`` writes the new keys and values with one ``index_copy_``
@@ -63,14 +65,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from piecegraph.attention.metadata import (
-    SMALL_STEP,
-    AttentionMetadata,
-    BatchLayout,
-    host_tensor,
-    to_device,
-)
-from piecegraph.attention.pages import SCRATCH_PAGE, pages_for
+from piecegraph.attention.backends.flashinfer_layout import page_layout
+from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
+from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
@@ -153,10 +150,10 @@ class FlashInferBackend:
             raise RuntimeError("flashinfer attention: a step's first attention call is being captured, but "
                                "FlashInfer plans on the host first; run the step once before capturing it")
         cache, decode = meta.cache, meta.is_decode
-        dev, cpu = _page_layout(plan.layout, cache.device, table=_device_table(cache))
+        dev, cpu = page_layout(plan.layout, cache.device, table=_device_table(cache))
         head = () if decode else (cpu["qo_indptr"],)
         plan.args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
-        plan.kwargs = self._options(cache) if decode else {**self._options(cache), "causal": True}
+        plan.kwargs = self._options(cache, cpu) if decode else {**self._options(cache, cpu), "causal": True}
         plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len = (
             dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"])
         self._plan_on(plan.slot, plan.args, plan.kwargs)
@@ -165,8 +162,11 @@ class FlashInferBackend:
     def _shape(self, cache: PagedCache) -> tuple[int, int, int, int]:
         return self.num_heads, cache.num_kv_heads, cache.head_dim, cache.page_size
 
-    def _options(self, cache: PagedCache) -> dict[str, Any]:
-        return {"q_data_type": cache.dtype, "kv_data_type": cache.dtype, "sm_scale": self.scale}
+    def _options(self, cache: PagedCache, cpu: dict[str, torch.Tensor]) -> dict[str, Any]:
+        # seq_lens: the KV lengths, which plan() would otherwise compute into a pageable tensor, copy from it and
+        # take the max of element by element (see flashinfer_layout.py)
+        return {"q_data_type": cache.dtype, "kv_data_type": cache.dtype, "sm_scale": self.scale,
+                "seq_lens": cpu["seq_lens"]}
 
     def _plan_on(self, slot: _Slot, args: tuple, kwargs: dict) -> None:
         # plan() rewrites the wrapper's pinned host buffer and copies it to the GPU asynchronously: if the copy of
@@ -212,9 +212,9 @@ class FlashInferBackend:
             kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
             page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
         )
-        dev, cpu = _page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
         args = (cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
-        self._plan_graph(graph.plan.slot, size, args, self._options(cache))
+        self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu))
         view = meta.replace(
             positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
             kv_lens=_pad_rows(meta.kv_lens, pad), mask=None, plan=graph.plan,
@@ -291,88 +291,6 @@ def _layout(meta: AttentionMetadata) -> BatchLayout:
         raise ValueError("flashinfer attention needs the step's BatchLayout (meta.layout): build the metadata "
                          "with AttentionMetadata.for_batch / for_decode / dummy")
     return meta.layout
-
-
-def _page_layout(layout: BatchLayout, device: torch.device, indices_only: bool = False,
-                 table: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """FlashInfer's page layout of ``layout``: int32 device tensors (``kv_indices``, ``kv_indptr``,
-    ``kv_last_page_len``, in one packed copy) and int32 CPU tensors (what ``plan()`` reads on the host).
-    ``indices_only``: no device indptr/last_page_len (a graph's live in its wrapper's fixed buffers).
-    ``table``: the cache's device page table; with it (and ``layout.slots``) ``kv_indices`` is gathered on the
-    device, so the host sends O(rows) ints, not every page."""
-    if layout.num_tokens <= SMALL_STEP:  # a few rows: a Python loop costs less than the tensor ops below
-        return _page_layout_rows(layout, device, indices_only, table)
-    # Whole-tensor ops on the rows' ints, no Python loop over rows or tokens: this runs every eager step over
-    # 1000+ rows (it cost ~0.75 ms per step as a per-row loop).
-    ps, i32 = layout.page_size, torch.int32
-    gather = table is not None and layout.slots is not None
-    kv = host_tensor(layout.kv_lens, i32)
-    new = host_tensor(layout.num_new, i32)
-    used = (kv + (ps - 1)).div_(ps, rounding_mode="floor")  # a table may hold pages reserved for later tokens
-    cuda = device.type == "cuda"
-    b = layout.num_seqs
-    # plan() reads these on the host and copies them to the device: from pinned memory (pageable would wait for
-    # the stream). qo_indptr | kv_indptr | kv_last_page_len, one buffer.
-    cpu = torch.zeros(3 * b + 2, dtype=i32, pin_memory=cuda)
-    torch.cumsum(new, 0, out=cpu[1:b + 1])
-    torch.cumsum(used, 0, out=cpu[b + 2:2 * b + 2])
-    torch.sub(kv, (used - 1).mul_(ps), out=cpu[2 * b + 2:])
-    views = {"qo_indptr": cpu[:b + 1], "kv_indptr": cpu[b + 1:2 * b + 2], "kv_last_page_len": cpu[2 * b + 2:]}
-    host: dict[str, Any] = {}
-    if gather:
-        host.update(slots=layout.slots, used=used, starts=views["kv_indptr"][:-1])
-    else:
-        host["kv_indices"] = [p for pages, n in zip(layout.pages, used.tolist()) for p in pages[:n]]  # CPU tensor
-    if not indices_only:
-        host.update(kv_indptr=views["kv_indptr"], kv_last_page_len=views["kv_last_page_len"])
-    dev = to_device(host, device, dtype=i32)
-    if gather:
-        dev["kv_indices"] = _gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
-                                            int(views["kv_indptr"][-1]))  # a host tensor: no sync
-    return dev, views
-
-
-def _page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bool, table: torch.Tensor | None
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """:func:`_page_layout` of a small step, row by row (equal outputs; tests/cpu/test_step_host_equal.py)."""
-    ps = layout.page_size
-    gather = table is not None and layout.slots is not None
-    qo_indptr, kv_indptr, indices, last, used_pages = [0], [0], [], [], []
-    for b, (new, kv) in enumerate(zip(layout.num_new, layout.kv_lens)):
-        used = pages_for(kv, ps)  # a table may hold pages reserved for later tokens; FlashInfer must not see them
-        if not gather:
-            indices += layout.pages[b][:used]
-        used_pages.append(used)
-        qo_indptr.append(qo_indptr[-1] + new)
-        kv_indptr.append(kv_indptr[-1] + used)
-        last.append(kv - (used - 1) * ps)
-    host: dict[str, Any] = {}
-    if gather:
-        host.update(slots=list(layout.slots), used=used_pages, starts=kv_indptr[:-1])
-    else:
-        host["kv_indices"] = indices
-    if not indices_only:
-        host.update(kv_indptr=kv_indptr, kv_last_page_len=last)
-    cpu = host_tensor([*qo_indptr, *kv_indptr, *last], torch.int32)
-    if device.type == "cuda":  # plan() copies these to the device: from pageable memory that waits for the stream
-        cpu = cpu.pin_memory()
-    b1 = len(qo_indptr)
-    views = {"qo_indptr": cpu[:b1], "kv_indptr": cpu[b1:2 * b1], "kv_last_page_len": cpu[2 * b1:]}
-    dev = to_device(host, device, dtype=torch.int32)
-    if gather:
-        dev["kv_indices"] = _gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
-                                            kv_indptr[-1])
-    return dev, views
-
-
-def _gather_indices(table: torch.Tensor, slots: torch.Tensor, used: torch.Tensor, starts: torch.Tensor,
-                    total: int) -> torch.Tensor:
-    """CSR ``kv_indices`` (int32 ``[total]``) from the device page table: row ``b`` contributes the first
-    ``used[b]`` pages of table row ``slots[b]``. Device ops only; ``output_size`` keeps repeat_interleave from
-    reading the repeats back (a sync)."""
-    rows = torch.repeat_interleave(slots.long(), used, output_size=total)
-    cols = torch.arange(total, device=table.device) - torch.repeat_interleave(starts.long(), used, output_size=total)
-    return table[rows, cols]
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:

@@ -29,6 +29,16 @@ def _attend(q, keys, values, scale, causal_offset=None):
 
 
 class _Paged:
+    def _lengths(self, indptr, last_page_len, page_size, seq_lens):
+        """The KV lengths and their max as 0.5.3's plan() takes them: ``seq_lens`` when given (``.cpu()``), else
+        derived from the CSR layout; the max by Python's ``max(...).item()``, as the real one. A ``seq_lens`` that
+        disagrees with the layout would mis-schedule the real kernels: here it raises."""
+        derived = torch.clamp(indptr[1:] - indptr[:-1] - 1, min=0) * page_size + last_page_len
+        lens = derived if seq_lens is None else seq_lens.cpu()
+        if lens.tolist() != derived.tolist():
+            raise ValueError(f"seq_lens {lens.tolist()} disagree with the page layout's {derived.tolist()}")
+        self._max_kv_len = max(lens).item() if len(lens) else 0
+
     def _store(self, indptr, indices, last_page_len):
         for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
             if t.dtype != torch.int32:
@@ -77,6 +87,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         if not self._use_tensor_cores and group not in _TENSOR_CORE_FREE_GROUPS:
             raise RuntimeError(f"Unsupported group_size: {group}")
         self._store(indptr, indices, last_page_len)
+        self._lengths(indptr.to("cpu"), last_page_len.to("cpu"), page_size, newer.get("seq_lens"))
         self._scale = sm_scale if sm_scale is not None else head_dim ** -0.5
         self._q_dtype = q_data_type
 
@@ -105,6 +116,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
             raise ValueError("qo_indptr must have dtype torch.int32")
         self._store(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self._qo_indptr = qo_indptr.to("cpu")
+        self._max_q_len = max(self._qo_indptr[1:] - self._qo_indptr[:-1]).item()
+        self._lengths(paged_kv_indptr.to("cpu"), paged_kv_last_page_len.to("cpu"), page_size, newer.get("seq_lens"))
         self._causal = causal
         self._scale = sm_scale if sm_scale is not None else head_dim_qk ** -0.5
         self._q_dtype = q_data_type
