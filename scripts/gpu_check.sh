@@ -17,7 +17,8 @@
 # the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
-# fresh check; HTTP_SERVE_ARGS: more serve options, e.g. --cache; HTTP_REFERENCE: the engine tokens' file). "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# fresh check; HTTP_NO_TOKENS=1: no token checks, throughput only; HTTP_SERVE_ARGS: more serve options, e.g. --cache;
+# HTTP_REFERENCE: the engine tokens' file). "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -215,6 +216,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       # the server's tokens against an in-process engine of the same preset and settings (built once per OUTDIR),
       # on the fresh server and again after the load; one request alone each
       check_tokens() {
+        [ -n "${HTTP_NO_TOKENS:-}" ] && return 0
         python3 scripts/http_token_check.py "http://127.0.0.1:$port" "$HTTP_MODEL" --json "$OUT/http_tokens_$1.json" \
           --max-num-seqs "$HTTP_SEQS" --reference "${HTTP_REFERENCE:-$OUT/http_tokens_reference.json}" 2>&1 | tail -3 \
           | tee -a "$OUT/http_$engine.log"

@@ -100,8 +100,9 @@ def page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bo
         kv_indptr.append(kv_indptr[-1] + used)
         last.append(kv - (used - 1) * ps)
     host: dict[str, Any] = {}
-    if gather:
-        host.update(slots=list(layout.slots), used=used_pages, starts=kv_indptr[:-1])
+    if gather:  # flat positions in the device table, listed here: a few rows cost less than device index math
+        width = table.shape[1]
+        host["flat"] = [s * width + c for s, u in zip(layout.slots, used_pages) for c in range(u)]
     else:
         host["kv_indices"] = indices
     if not indices_only:
@@ -112,8 +113,7 @@ def page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bo
     views = _views(cpu, len(qo_indptr))
     dev = to_device(host, device, dtype=torch.int32)
     if gather:
-        dev["kv_indices"] = gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
-                                            kv_indptr[-1])
+        dev["kv_indices"] = table.view(-1).index_select(0, dev.pop("flat"))
     return dev, views
 
 
