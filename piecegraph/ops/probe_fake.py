@@ -225,12 +225,37 @@ def _shot(fn: Callable, params: list[inspect.Parameter], values: dict[str, Any],
                 written=frozenset(k for k in before if _changed(values[k], before[k])))
 
 
-def _other_data(values: dict[str, Any]) -> dict[str, Any]:
-    """The same shapes, other data: floating tensors random normal, integer ones random in their own range."""
+# None: the recorded data negated; then seeded draws. One draw can tie by chance (a filter keeping as many rows of
+# other data); the negation cannot for a sign filter over an odd number of rows.
+OTHER_DATA_SEEDS = (None, 20240, 20241, 20242, 20243)
+
+
+def _same_shapes_for_other_data(fn: Callable, params: list, values: dict[str, Any], shot: Shot, n: int) -> set:
+    """Run ``fn`` on other data of the shapes of ``values`` (one per entry of :data:`OTHER_DATA_SEEDS`) and
+    refuse, naming it, a function whose output shapes change with them; returns the arguments those runs wrote."""
+    written: set = set()
+    for seed in OTHER_DATA_SEEDS:
+        try:
+            other = _shot(fn, params, _other_data(values, seed), n)
+        except ProbeRefused:  # data it does not take (indices out of range...): no evidence either way
+            continue
+        if _out_shapes(other) != _out_shapes(shot):
+            raise ProbeRefused(f"its output shapes depend on the data, not on the input shapes: at {n} tokens it "
+                               f"returned {_out_shapes(shot)} for one input and {_out_shapes(other)} for another "
+                               "of the same shapes")
+        written |= other.written
+    return written
+
+
+def _other_data(values: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    """The same shapes, other data: for a ``seed``, floating tensors random normal and integer ones random in their
+    own range; for ``None``, floating tensors negated (the rest copied)."""
     gen: dict[str, torch.Generator] = {}
 
     def redo(t: torch.Tensor) -> torch.Tensor:
-        g = gen.setdefault(str(t.device), torch.Generator(device=t.device).manual_seed(20240))
+        if seed is None:
+            return t.float().neg().to(t.dtype) if t.is_floating_point() else t.clone()  # float8 has no neg
+        g = gen.setdefault(str(t.device), torch.Generator(device=t.device).manual_seed(seed))
         if t.is_floating_point():
             return torch.randn(t.shape, generator=g, device=t.device).to(t.dtype)
         if t.dtype == torch.bool:
@@ -364,15 +389,7 @@ def _infer(fn: Callable, calls: list[Call], multiples: bool) -> Inferred:
     for call in calls:
         dims = token_dims(call, multiples)
         runs = [_shot(fn, params, _at(call, dims, n), n) for n in sizes[:3]]
-        try:
-            other = _shot(fn, params, _other_data(_at(call, dims, sizes[1])), sizes[1])
-        except ProbeRefused:  # data it does not take (indices out of range...): no evidence either way
-            other = runs[1]
-        if _out_shapes(other) != _out_shapes(runs[1]):
-            raise ProbeRefused(f"its output shapes depend on the data, not on the input shapes: at {sizes[1]} tokens "
-                               f"it returned {_out_shapes(runs[1])} for one input and {_out_shapes(other)} for "
-                               f"another of the same shapes")
-        written |= other.written
+        written |= _same_shapes_for_other_data(fn, params, _at(call, dims, sizes[1]), runs[1], sizes[1])
         shots += runs
         layouts.append((call, dims))
     try:

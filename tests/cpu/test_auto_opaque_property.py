@@ -114,3 +114,24 @@ def test_inferred_fake_equals_the_real_outputs_at_counts_never_probed(signature,
         got = () if got is None else tuple(got) if isinstance(got, (tuple, list)) else (got,)
         assert [(tuple(g.shape), g.dtype) for g in got] == [(tuple(r.shape), r.dtype) for r in real], \
             (n, inferred.fake.text)
+
+
+def _positive_rows(x: torch.Tensor) -> torch.Tensor:
+    return x[x.sum(-1) > 0]  # how many rows: decided by the data
+
+
+@settings(max_examples=60, deadline=None)
+@given(half=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_data_dependent_output_shapes_are_refused_as_such_for_any_recorded_data(half, seed):
+    """Whatever data the forward recorded, a sign filter is named as data-dependent: at an even token count the
+    probe's rows (t + 3) are odd, so the negated data keeps another number of rows; draws cover the rest. (One
+    random draw tied by chance: the refusal then named no data dependence, only a missing shape rule.)"""
+    t = 2 * half + 2
+    x = torch.randn(t, 8, generator=torch.Generator().manual_seed(seed))
+    x[:, 0] += torch.where(x.sum(-1) == 0, 1.0, 0.0)  # no row sums to exactly 0 (it would stay 0 negated)
+    try:
+        infer_fake(_positive_rows, [Call({"x": x}, t)])
+    except ProbeRefused as err:
+        assert "depend on the data" in str(err)
+    else:
+        raise AssertionError("a data-dependent output shape was given a fake")
