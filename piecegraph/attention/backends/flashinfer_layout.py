@@ -45,10 +45,11 @@ def _views(cpu: torch.Tensor, b1: int) -> dict[str, torch.Tensor]:
 
 
 def page_layout(layout: BatchLayout, device: torch.device, indices_only: bool = False,
-                 table: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                table: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """FlashInfer's page layout of ``layout``: int32 device tensors (``kv_indices``, ``kv_indptr``,
     ``kv_last_page_len``, in one packed copy) and int32 CPU tensors, pinned on CUDA (what ``plan()`` reads on the
-    host: ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and ``seq_lens``, the last as :class:`HostInts`).
+    host: ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and ``seq_lens``; the first and last as
+    :class:`HostInts`).
     ``indices_only``: no device indptr/last_page_len (a graph's live in its wrapper's fixed buffers).
     ``table``: the cache's device page table; with it (and ``layout.slots``) ``kv_indices`` is gathered on the
     device, so the host sends O(rows) ints, not every page."""
@@ -81,12 +82,12 @@ def page_layout(layout: BatchLayout, device: torch.device, indices_only: bool = 
     dev = to_device(host, device, dtype=i32)
     if gather:
         dev["kv_indices"] = gather_indices(table, dev.pop("slots"), dev.pop("used"), dev.pop("starts"),
-                                            int(views["kv_indptr"][-1]))  # a host tensor: no sync
+                                           int(views["kv_indptr"][-1]))  # a host tensor: no sync
     return dev, views
 
 
 def page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bool, table: torch.Tensor | None
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """:func:`page_layout` of a small step, row by row (equal outputs; tests/cpu/test_step_host_equal.py)."""
     ps = layout.page_size
     gather = table is not None and layout.slots is not None
@@ -118,7 +119,7 @@ def page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bo
 
 
 def gather_indices(table: torch.Tensor, slots: torch.Tensor, used: torch.Tensor, starts: torch.Tensor,
-                    total: int) -> torch.Tensor:
+                   total: int) -> torch.Tensor:
     """CSR ``kv_indices`` (int32 ``[total]``) from the device page table: row ``b`` contributes the first
     ``used[b]`` pages of table row ``slots[b]``. Device ops only; ``output_size`` keeps repeat_interleave from
     reading the repeats back (a sync)."""
