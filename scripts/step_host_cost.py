@@ -10,8 +10,8 @@ measured here does not depend on the model: only on rows, tokens and pages), and
   plan: the backend's ``plan`` is a stub that only records the layout);
 - ``for_batch_dense``: the same with a backend that reads the dense decode page table (the torch backend's
   path; its own mask planning is left out, it is not step-building work);
-- ``page_layout``: the FlashInfer backend's ``flashinfer_layout.page_layout`` (host half of its eager plan, ``kv_indices``
-  gathered from the cache's device page table), pure Python/torch, so it runs on CPU.
+- ``page_layout``: the FlashInfer backend's ``flashinfer_layout.page_layout`` (host half of its eager plan,
+  ``kv_indices`` gathered from the cache's device page table), pure Python/torch, so it runs on CPU.
 
 Workloads (page size 16, token budget 2048): ``decode`` = N running sequences of 512-560 tokens each adding one
 token; ``mixed`` = the same N decode rows plus prompts of 512-640 tokens prefilled (chunked) in the rest of the
