@@ -271,9 +271,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
                 pieces.append(piece)
             elif info.is_split:  # runs eagerly every step, per layer: its forward, without nn.Module's call path
                 split_gm.__dict__[info.name] = _plain_forward(getattr(split_gm, info.name))
-        if hasattr(split_gm, "real_recompile"):  # a lazy GraphModule: generate its forward now, not on a call
-            split_gm.real_recompile()
-        call = split_gm.forward  # not split_gm(...): nn.Module's call machinery costs every replay, for no hooks
+        call = _plain_forward(split_gm)  # not split_gm(...): nn.Module's call machinery costs every replay
     if static_s:
         log.info("piecegraph: static compiles for sizes %s took %.1f s", static_sizes, static_s)
     return Program(
@@ -294,9 +292,9 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
 
 def _plain_forward(sub: torch.fx.GraphModule) -> Callable[..., Any]:
     """``sub``'s generated forward, bound: what calling ``sub`` runs, minus nn.Module's and GraphModule's call
-    wrappers (~10 us per call under a profiler; a split op runs once per layer per step). Nothing registers
-    hooks on these internal submodules."""
-    if hasattr(sub, "real_recompile"):  # a lazy GraphModule: generate its forward now
+    wrappers (~10 us per call under a profiler; the split module runs every step, a split op once per layer per
+    step). Nothing registers hooks on these internal modules."""
+    if hasattr(sub, "real_recompile"):  # a lazy GraphModule: generate its forward now, not on a call
         sub.real_recompile()
     return sub.forward
 
