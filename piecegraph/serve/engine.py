@@ -122,9 +122,10 @@ class Engine:
         if rid in self._ids:
             raise ValueError(f"request id {describe(rid)} was already submitted to this engine; ids are unique")
         request = Request.make(rid, prompt, params, time.perf_counter() if arrival is None else arrival)
-        vocab = self.model.config.vocab_size
-        bad = [t for t in request.prompt if not 0 <= t < vocab]
-        if bad:  # checked here: out of range, the embedding fails mid-step (a device assert on a GPU)
+        vocab, prompt = self.model.config.vocab_size, request.prompt
+        # checked here: out of range, the embedding fails mid-step (a device assert on a GPU); min/max first, in C
+        bad = [t for t in prompt if not 0 <= t < vocab] if min(prompt) < 0 or max(prompt) >= vocab else []
+        if bad:
             raise ValueError(f"request {describe(rid)}: prompt token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {vocab})")
         self.scheduler.add(request)

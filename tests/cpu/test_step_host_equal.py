@@ -19,7 +19,7 @@ from piecegraph.attention.backends.flashinfer_layout import HostInts, page_layou
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.models import TINY
 from piecegraph.serve.inputs import build_inputs
-from piecegraph.serve.request import Request, SamplingParams
+from piecegraph.serve.request import Request, SamplingParams, _token
 from piecegraph.serve.scheduler import Row
 
 MAX_LEN = 96
@@ -212,3 +212,27 @@ def test_host_ints_iterate_as_python_ints_and_compute_as_tensors(values):
     assert isinstance(diff, HostInts) and torch.equal(diff.as_subclass(torch.Tensor), plain[1:] - plain[:-1])
     rows = fast.reshape(1, -1)  # anything but 1-d iterates as a tensor does
     assert [r.tolist() for r in rows] == [values]
+
+
+_TOKEN_LIKE = st.one_of(st.integers(0, 2**40), st.integers(0, 99).map(lambda t: torch.tensor(t)), st.booleans(),
+                        st.floats(0, 9), st.text(max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(_TOKEN_LIKE, min_size=1, max_size=30), as_tuple=st.booleans())
+def test_request_prompt_equals_the_per_token_check(tokens, as_tuple):
+    """Request.make's prompt (plain-int lists and tuples taken whole) against a token-by-token check of the same
+    values: the same ints, or the same TypeError naming the first token that is not an int."""
+    prompt = tuple(tokens) if as_tuple else list(tokens)
+    want: tuple | str
+    try:
+        want = tuple(_token("r", t) for t in tokens)
+    except TypeError as err:
+        want = str(err)
+    try:
+        got = Request.make("r", prompt).prompt
+    except TypeError as err:
+        got = str(err)
+    assert got == want
+    if not isinstance(want, str):
+        assert all(type(t) is int for t in got)
