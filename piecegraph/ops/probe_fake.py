@@ -249,7 +249,8 @@ def _same_shapes_for_other_data(fn: Callable, params: list, values: dict[str, An
 
 def _other_data(values: dict[str, Any], seed: int | None) -> dict[str, Any]:
     """The same shapes, other data: for a ``seed``, floating tensors random normal and integer ones random in their
-    own range; for ``None``, floating tensors negated (the rest copied)."""
+    own range (sorted along the last dimension where the recorded one is: see :func:`_sorted`); for ``None``,
+    floating tensors negated (the rest copied)."""
     gen: dict[str, torch.Generator] = {}
 
     def redo(t: torch.Tensor) -> torch.Tensor:
@@ -262,11 +263,21 @@ def _other_data(values: dict[str, Any], seed: int | None) -> dict[str, Any]:
             return torch.randint(0, 2, t.shape, generator=g, device=t.device).bool()
         if t.numel() and not t.is_complex():
             low, high = int(t.min()), int(t.max())
-            return torch.randint(low, high + 1, t.shape, generator=g, device=t.device).to(t.dtype)
+            drawn = torch.randint(low, high + 1, t.shape, generator=g, device=t.device).to(t.dtype)
+            return drawn.sort(dim=-1).values if _sorted(t) else drawn
         return t.clone()
 
     return {k: redo(v) if kind_of(v) == "tensor" else type(v)(redo(t) for t in v) if kind_of(v) == "tensors" else v
             for k, v in values.items()}
+
+
+def _sorted(t: torch.Tensor) -> bool:
+    """Whether an integer tensor is non-decreasing along its last dimension (offsets: ``indptr``, ``cu_seqlens``).
+
+    Its random draw stays sorted: a kernel handed unsorted offsets computes negative segment lengths, and on a GPU
+    that is a device fault (an illegal instruction in FlashInfer's sm90 grouped GEMM), which no ``except`` catches
+    and which ends the process's CUDA context."""
+    return t.dim() > 0 and t.shape[-1] > 1 and bool((t.diff(dim=-1) >= 0).all())
 
 
 def _out_shapes(shot: Shot) -> Any:

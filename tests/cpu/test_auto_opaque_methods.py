@@ -54,9 +54,13 @@ class TwoLayers(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def _unroute():
+    from jitlib_auto.segment import DEVICE_FAULTS
+
+    DEVICE_FAULTS.clear()
     yield
     piecegraph.unfreeze()
     torch._dynamo.reset()
+    assert DEVICE_FAULTS == [], f"the grouped GEMM ran on offsets a GPU faults on: {DEVICE_FAULTS[:3]}"
 
 
 def test_a_library_objects_method_is_wrapped_and_the_model_traces_piecewise_with_inductor():

@@ -135,3 +135,26 @@ def test_data_dependent_output_shapes_are_refused_as_such_for_any_recorded_data(
         assert "depend on the data" in str(err)
     else:
         raise AssertionError("a data-dependent output shape was given a fake")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-50, 50), min_size=2, max_size=40), st.sampled_from((torch.int32, torch.int64)),
+       st.booleans())
+def test_other_data_keeps_recorded_offsets_sorted_and_in_range(values, dtype, sort):
+    """The data-dependence probe's random draws of an integer tensor stay in its range, and stay sorted where the
+    recorded one is (offsets such as a grouped GEMM's ``seg_indptr``: unsorted ones fault a GPU kernel); the
+    negated draw keeps integers as recorded."""
+    from piecegraph.ops.probe_fake import OTHER_DATA_SEEDS, _other_data
+
+    recorded = torch.tensor(sorted(values) if sort else values, dtype=dtype)
+    rows = torch.stack([recorded, recorded.flip(0).sort().values])  # a 2-d batch of offsets, sorted per row
+    for seed in OTHER_DATA_SEEDS:
+        drawn = _other_data({"indptr": recorded, "rows": rows}, seed)
+        for name, before in (("indptr", recorded), ("rows", rows)):
+            after = drawn[name]
+            assert after.shape == before.shape and after.dtype == before.dtype
+            assert int(after.min()) >= int(before.min()) and int(after.max()) <= int(before.max())
+            if bool((before.diff(dim=-1) >= 0).all()):
+                assert bool((after.diff(dim=-1) >= 0).all()), (seed, before, after)
+        if seed is None:
+            assert torch.equal(drawn["indptr"], recorded)

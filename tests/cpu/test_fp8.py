@@ -148,13 +148,18 @@ def fake_flashinfer(monkeypatch, stand_in):
     ``bmm_fp8`` and ``SegmentGEMMWrapper``, so the FP8 decoders' ``"flashinfer"`` path runs on CPU."""
     from piecegraph.models import fp8_moe
 
+    from jitlib_auto.segment import DEVICE_FAULTS
+
     module = stand_in
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fp8_moe, "fp8_kernels_run", lambda device: True)
     monkeypatch.setattr(fp8_moe, "WORKSPACE_BYTES", 16)
+    DEVICE_FAULTS.clear()
     yield module
     piecegraph.unfreeze()
     torch._dynamo.reset()
+    # automatic opaque's probe runs the grouped GEMM on other data: never on offsets a GPU would fault on
+    assert DEVICE_FAULTS == [], f"the grouped GEMM ran on invalid seg_indptr: {DEVICE_FAULTS[:3]}"
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "auto"])

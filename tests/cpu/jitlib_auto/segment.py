@@ -8,6 +8,11 @@ import torch
 
 from .loaders import get_module
 
+# Calls a GPU would have faulted on (a negative segment length or an end past the rows: FlashInfer's sm90 grouped
+# GEMM raises an illegal instruction there, which ends the CUDA context). Raising alone would not model that:
+# automatic opaque's probe catches a failing run and goes on. Tests assert this stays empty.
+DEVICE_FAULTS: list = []
+
 
 class SegmentGemm:
     """Grouped GEMM over row segments: rows ``seg_indptr[i]:seg_indptr[i+1]`` of ``x`` times ``weights[i]``."""
@@ -24,6 +29,9 @@ class SegmentGemm:
         d_out = weights.shape[1] if weight_column_major else weights.shape[2]
         y = torch.zeros(x.shape[0], d_out, dtype=x.dtype, device=x.device)
         bounds = seg_indptr.tolist()  # data-dependent segment sizes: fine eagerly, a break under Dynamo
+        if any(hi < lo for lo, hi in zip(bounds, bounds[1:])) or min(bounds) < 0 or max(bounds) > x.shape[0]:
+            DEVICE_FAULTS.append(bounds)
+            raise RuntimeError(f"device fault: seg_indptr {bounds} over {x.shape[0]} rows")
         for i in range(batch_size):
             w = weights[int(weight_indices[i]) if weight_indices is not None else i]
             w = w.t() if weight_column_major else w
