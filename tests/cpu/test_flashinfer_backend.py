@@ -225,3 +225,18 @@ def test_the_engine_on_flashinfer_plans_at_most_once_per_step_and_equals_torch(o
     assert stats["preemptions"] > 0 and {"full", "piecewise"} <= set(stats["by_kind"])
     assert all(s.plans == 1 for s in engine.steps) and stats["max_plans_per_step"] == 1
     assert cache.backend.plans == len(engine.steps) and all(s.plan_s > 0 for s in engine.steps)
+
+
+def test_graph_workspace_bytes_match_what_flashinfer_asked_for_on_the_h200():
+    """FlashInfer 0.5.3 refused a 1024-row graph plan of the Qwen1.5-MoE-A2.7B shape (16/16 heads of 128) on an
+    H200 (132 SMs): "batch_prefill_tmp_v with size 142475264 ... only 134217728 bytes available". The estimate
+    holds that tmp_v, its tmp_s and their alignment, and the 0.5B shape (14/2 heads of 64), which always fit in
+    the default 128 MiB, still fits."""
+    from piecegraph.attention.backends.flashinfer import WORKSPACE_BYTES, graph_workspace_bytes
+
+    tmp_v = 142475264
+    tmp_s = tmp_v // 128
+    assert graph_workspace_bytes(16, 16, 128, 1024, 132) == tmp_v + tmp_s + 32
+    assert graph_workspace_bytes(14, 2, 64, 1024, 132) < WORKSPACE_BYTES
+    # few rows: the grid floor of two CTAs per SM per KV head sets the tiles
+    assert graph_workspace_bytes(16, 16, 128, 1, 132) == 16 * 16 * 16 * 129 * 4 + 32

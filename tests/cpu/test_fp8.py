@@ -146,9 +146,9 @@ def stand_in():
 def fake_flashinfer(monkeypatch, stand_in):
     """The stand-in ``flashinfer`` (tests/cpu/jitlib_auto: loaders that stop Dynamo, listed in no adapter) with
     ``bmm_fp8`` and ``SegmentGEMMWrapper``, so the FP8 decoders' ``"flashinfer"`` path runs on CPU."""
-    from piecegraph.models import fp8_moe
-
     from jitlib_auto.segment import DEVICE_FAULTS
+
+    from piecegraph.models import fp8_moe
 
     module = stand_in
     monkeypatch.setitem(sys.modules, "flashinfer", module)

@@ -35,6 +35,8 @@ Verified in the 0.5.3 source (decode.py, prefill.py, page.py, csrc/batch_prefill
   ``cta_tile_q`` from the group size, and takes every workspace offset from those: all fixed per batch size.
   The per-step ``kv_chunk_size`` and ``total_num_rows`` live in the int workspace, read by the kernels through
   pointers. :meth:`FlashInferBackend._plan_graph` still checks that ``plan_info`` never changes for a size.
+  The split-KV partial outputs take ``heads x padded_batch_size x cta_tile_q x (head_dim + 1)`` floats of the
+  float workspace: a size that needs more than it holds gets a larger one (:func:`graph_workspace_bytes`).
 - ``append_paged_kv_cache(k, v, batch_indices, positions, (k_cache, v_cache), kv_indices, kv_indptr,
   kv_last_page_len, kv_layout)`` writes token i at page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot
   ``pos % page_size`` (``b, pos = batch_indices[i], positions[i]``): the slot ``slot_mapping`` already holds
@@ -71,6 +73,19 @@ from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
+
+
+def graph_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, size: int, num_sm: int) -> int:
+    """Float workspace bytes FlashInfer 0.5.3's plan needs for a CUDA-graph decode wrapper of ``size`` rows
+    (tensor cores, so its prefill scheduler): a graph plan reserves the split-KV partial outputs for the worst
+    case, ``num_qo_heads x padded_tiles x cta_tile_q x (head_dim + 1)`` floats, where ``padded_tiles`` is
+    ``max(2 * num_sm / num_kv_heads, ceil(size * group / cta_tile_q) + size - 1)`` (``scheduler.cuh``). This
+    outgrows the usual 128 MiB with wide heads: 16 heads of 128 at 1024 rows take 136 MiB on an H200."""
+    group = num_qo_heads // num_kv_heads
+    cta_tile_q = 128 if group > 64 and head_dim < 256 else 64 if group > 16 else 16
+    tiles = max(2 * num_sm // num_kv_heads, -(-size * group // cta_tile_q) + size - 1)
+    floats = num_qo_heads * tiles * cta_tile_q
+    return floats * head_dim * 4 + floats * 4 + 2 * 16  # tmp_v, tmp_s, each 16-byte aligned
 
 
 class _Slot:
@@ -222,14 +237,25 @@ class FlashInferBackend:
         graph.last = (weakref.ref(meta), view)
         return view
 
+    def _graph_workspace(self, cache: PagedCache, size: int) -> torch.Tensor:
+        """The float workspace for a graph of ``size`` rows: the shared one, or, when this size needs more, a
+        larger one that later wrappers share (graphs captured before keep theirs, whose address they baked in)."""
+        if self._cuda:
+            num_sm = torch.cuda.get_device_properties(self.workspace.device).multi_processor_count
+            need = graph_workspace_bytes(self.num_heads, cache.num_kv_heads, cache.head_dim, size, num_sm)
+            if need > self.workspace.numel():
+                self.workspace = torch.zeros(-(-need // (16 << 20)) * (16 << 20), dtype=torch.uint8,
+                                             device=self.workspace.device)
+        return self.workspace
+
     def _new_graph(self, cache: PagedCache, size: int) -> _Graph:
         # Buffers whose addresses the graphs bake in: plan() refills them before every replay of this size.
         zeros = {"dtype": torch.int32, "device": cache.device}
         indptr, last = torch.zeros(size + 1, **zeros), torch.zeros(size, **zeros)
         indices = torch.zeros(size * cache.max_pages_per_seq, **zeros)  # every row holds 1..max_pages_per_seq
         wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
+            self._graph_workspace(cache, size), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
         )
         graph = self._graphs[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True))
         return graph
