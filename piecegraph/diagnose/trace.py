@@ -24,7 +24,21 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["Frame", "BreakRecord", "TraceResult", "trace", "run_under", "torch_dir", "error_record"]
+__all__ = ["Frame", "BreakRecord", "TraceResult", "trace", "run_under", "torch_dir", "error_record",
+           "diagnosis_limits"]
+
+# A diagnosis run with breaks recompiles a resume function once per layer when it reads a per-layer constant
+# (``self.layer_idx``): Dynamo's default limit (8) then warns and runs the later layers eagerly, unseen.
+DIAGNOSIS_RECOMPILE_LIMIT = 1024
+
+
+def diagnosis_limits() -> Any:
+    """Dynamo's recompile limits raised for one diagnosis run (its backend compiles nothing, so each recompile
+    costs one trace of a frame); :func:`trace` and the doctor's probe run under it."""
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(config.recompile_limit, DIAGNOSIS_RECOMPILE_LIMIT),
+                        accumulated_recompile_limit=max(config.accumulated_recompile_limit,
+                                                        DIAGNOSIS_RECOMPILE_LIMIT))
 
 _MARKER = "most recent `torch.compile` tracing attempt started here"
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
@@ -267,7 +281,7 @@ def trace(model: Callable, args: tuple, kwargs: Optional[dict] = None, context: 
     _mark_token_dim(args)
     start = time.perf_counter()
     counted = _break_counts()
-    with collect_breaks() as collector, warnings.catch_warnings():
+    with collect_breaks() as collector, warnings.catch_warnings(), diagnosis_limits():
         warnings.simplefilter("ignore", UserWarning)  # Dynamo's per-break warnings: the report says it better
         try:
             run_under(context, lambda: compiled(*args, **kwargs))

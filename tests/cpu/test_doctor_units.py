@@ -98,3 +98,35 @@ def test_bisection_finds_the_first_node_that_breaks_capture(monkeypatch):
 def test_count_pieces_splits_at_split_ops():
     gm = torch.fx.symbolic_trace(_Piece())
     assert probe.count_pieces(gm) == 1
+
+
+class _LayerWithABreak(torch.nn.Module):
+    """A library call that breaks Dynamo, then the layer's own index read after it (in a resume function, which
+    Dynamo guards on that constant: one recompile per layer, as the reference decoder's ``layer_idx``)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.layer_idx = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x + self.layer_idx
+
+
+def test_a_diagnosis_trace_sees_every_layer_past_dynamos_recompile_limit(caplog):
+    """12 layers > Dynamo's default recompile limit of 8: the doctor's trace still traces each layer's resume
+    function (no "hit config.recompile_limit" warning, every layer's graph kept) and the limit is back after."""
+    import logging
+
+    from piecegraph.diagnose.trace import trace
+
+    model = torch.nn.Sequential(*(_LayerWithABreak(i) for i in range(12)))
+    before = torch._dynamo.config.recompile_limit
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        result = trace(model, (torch.ones(3, 4),))
+    assert result.error is None
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    adds = [g for g in result.graphs if any(n.op == "call_function" and "add" in str(n.target) for n in g.graph.nodes)]
+    assert len(adds) >= 12, len(adds)  # every layer's "+ layer_idx" traced, none left to run eagerly
+    assert torch._dynamo.config.recompile_limit == before
