@@ -36,13 +36,16 @@ class Startup:
     """Where a GraphedModule's setup went (``stats()["startup"]``): seconds of importing torch's compiler stack
     (Dynamo, Inductor: the first setup in a process pays it, a warm start too), prewarm (the first eager call,
     where JIT kernels such as FlashInfer's build), trace (Dynamo and the trace call's run), compile (splitting
-    and Inductor, static compiles included) and the whole setup; and what the artifact cache did (``cache``:
-    filled by :func:`piecegraph.cache.compile_cache`). Accumulates over retraces and recompiles."""
+    and Inductor, static compiles included), diagnose (the advisor's work when a trace fails: the doctor's own
+    traces and automatic opaque's probe runs, none of it in trace or compile) and the whole setup; and what the
+    artifact cache did (``cache``: filled by :func:`piecegraph.cache.compile_cache`). Accumulates over retraces
+    and recompiles."""
 
     compiler_import_s: float = 0.0  # importing Dynamo and Inductor, the first setup in a process pays it
     prewarm_s: float = 0.0
     trace_s: float = 0.0
     compile_s: float = 0.0
+    diagnose_s: float = 0.0  # finding what stops Dynamo and fixing it (doctor rounds, automatic opaque's probes)
     setup_s: float = 0.0
     cache: dict[str, Any] = field(default_factory=lambda: {"cache": "off"})
 
@@ -198,3 +201,25 @@ def static_from_mismatch(err: TokenCountMismatch, values: dict[str, Any], labels
         return set()  # the tokens kept their count: the other input is wrong, not static
     kept = {labels[i] for i in others if err.sizes[i] == traced_counts.get(labels[i])}
     return kept if kept <= set(values) else set()
+
+
+class TimedAdvisor:
+    """An advisor (``fix_trace``, ``apply_fixes``, ``summarize``, ``explain``) whose calls add their seconds to
+    ``startup.diagnose_s``."""
+
+    def __init__(self, advisor: Any, startup: Startup) -> None:
+        self.advisor, self.startup = advisor, startup
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.advisor, name)
+        if not callable(method):
+            return method
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.startup.diagnose_s += time.perf_counter() - start
+
+        return timed

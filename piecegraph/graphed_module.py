@@ -17,7 +17,7 @@ import torch
 
 from .auto import piecewise_config, setup_auto
 from .binding import Binding, arguments_by_name, positional_names, scratch_arguments, static_suspect
-from .build import Startup, breakable_model, load_trace, static_from_mismatch, trace_model, trace_snapshot
+from .build import Startup, TimedAdvisor, breakable_model, load_trace, static_from_mismatch, trace_model, trace_snapshot
 from .cache import compile_cache
 from .cache.session import CacheEntry
 from .config import Config
@@ -181,14 +181,15 @@ class GraphedModule(torch.nn.Module):
             elif not self._load_trace(entry):
                 # Dynamo's failure: automatic opaque when Config says, else piecegraph's error naming the fix
                 snapshots: list | None = [] if entry.enabled else None
+                advisor = TimedAdvisor(self._advisor, self._startup)
                 self._keep_fixes(trace_or_explain(
-                    self.model, lambda: scratch_arguments(values), self.config, self._advisor,
+                    self.model, lambda: scratch_arguments(values), self.config, advisor,
                     lambda: self._try_trace(values, self.config, None, snapshots)))
                 self._keep_trace(entry, snapshots)
 
     def _setup_auto(self, values: dict[str, Any], entry: CacheEntry) -> None:
         snapshots: list | None = [] if entry.enabled else None
-        fixed = setup_auto(self.model, values, self.config, self._advisor,
+        fixed = setup_auto(self.model, values, self.config, TimedAdvisor(self._advisor, self._startup),
                            lambda v, c, vs: self._try_trace(v, c, vs, snapshots), self._setup_breakable)
         self._keep_fixes(fixed)
         if fixed is None and self._compiled is not self.model:  # piecewise at once (no fixes, not breakable)
@@ -339,7 +340,7 @@ class GraphedModule(torch.nn.Module):
         s = self._startup
         capture = sum(stats["capture_s"].values())
         return {"import_s": import_s, "compiler_import_s": s.compiler_import_s, "prewarm_s": s.prewarm_s,
-                "trace_s": s.trace_s, "compile_s": s.compile_s,
+                "trace_s": s.trace_s, "compile_s": s.compile_s, "diagnose_s": s.diagnose_s,
                 "setup_s": s.setup_s, "capture_s": capture, "ready_s": s.setup_s + capture,
                 "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
                 "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"), **s.cache}

@@ -137,8 +137,11 @@ def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inp
     for row in rows:
         if row.skipped is None:
             row.setup_s, row.pool_mib = facts["setup_s"], facts["pool_mib"]
-    log(f"{name}: setup {facts['setup_s']:.1f} s (capture {facts['capture_s']} s), pool {facts['pool_mib']} MiB, "
-        f"pieces {facts['pieces']}")
+    stages = facts.get("startup") or {}
+    split = ", ".join(f"{k[:-2]} {stages[k]:.1f}" for k in ("prewarm_s", "trace_s", "diagnose_s", "compile_s")
+                      if stages.get(k))
+    log(f"{name}: setup {facts['setup_s']:.1f} s ({split + ', ' if split else ''}capture {facts['capture_s']} s), "
+        f"pool {facts['pool_mib']} MiB, pieces {facts['pieces']}")
     return rows, facts
 
 

@@ -87,6 +87,10 @@ def test_a_library_objects_method_is_wrapped_and_the_model_traces_piecewise_with
     assert line.startswith(f"{target} = piecegraph.opaque({target}, fake=") and "weights.shape[1]" in line
     assert is_opaque(gemm.run) and "run" in vars(gemm)  # routed on that one object, not on the class
     assert not is_opaque(jitlib_auto.SegmentGemm(torch.empty(1)).run)
+    # the blockers' search and the probes are timed on their own: not in trace or compile, within the setup
+    startup = stats["startup"]
+    assert startup["diagnose_s"] > 0
+    assert startup["diagnose_s"] + startup["trace_s"] + startup["compile_s"] <= startup["setup_s"]
     del graphed
     gc.collect()
     assert "run" not in vars(gemm) and not is_opaque(gemm.run)  # released: the method is the class's again

@@ -61,6 +61,7 @@ def test_smoke_run_writes_json_png_and_profile(tmp_path):
     assert data["modes"]["none"]["pieces"] == TINY.num_layers + 1  # split at each attention op
     startup = data["modes"]["none"]["startup"]  # the setup split into its stages
     assert startup["trace_s"] > 0 and startup["compile_s"] >= 0 and startup["prewarm_s"] >= 0
+    assert startup["diagnose_s"] == 0  # the reference decoder traces at once: nothing to diagnose
     profile = data["profile"]
     assert profile["split_calls_per_step"] == TINY.num_layers and profile["aten_ops_per_split"] > 5
     assert profile["attention_backend"] == env["attention_backend"]
