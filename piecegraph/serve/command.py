@@ -147,7 +147,8 @@ def serve_bench(
                                  f"{net.config.max_seq_len}", param_hint="--input-len")
     engine = EngineConfig(max_num_seqs=max_num_seqs or max(conc), max_num_batched_tokens=max_batched_tokens,
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_len, compiler=compiler,
-                          emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend)
+                          emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
+                          auto_opaque=True)  # as the bench: a library kernel nobody adapted is wrapped in every mode
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference,
                 repeats=repeats)

@@ -54,6 +54,11 @@ class EngineConfig:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
         graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate is over it are
             left out, named in a warning, and run without graphs. ``None``: no limit.
+        auto_opaque: wrap each library function that stops Dynamo (a JIT kernel nobody adapted, such as
+            FlashInfer's FP8 GEMMs) as an opaque op, as ``piecegraph.Config(auto_opaque=...)`` does, in the
+            engine's piecewise and full modules. ``None`` (default): on in ``mode="auto"`` (piecegraph's auto),
+            off in ``"piecewise"``, whose modules then refuse such a model naming the fix; ``True`` / ``False``:
+            on / off in both.
 
     Example: ``EngineConfig(mode="auto", max_num_seqs=64, max_num_batched_tokens=512, max_seq_len=1024)``.
     """
@@ -72,6 +77,7 @@ class EngineConfig:
     overlap: bool = True
     cache_dir: Any = None
     graph_memory_limit: int | None = None
+    auto_opaque: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -94,6 +100,8 @@ class EngineConfig:
         for name in ("emulate_graphs", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
+        if self.auto_opaque not in (None, True, False):
+            raise ValueError(f"EngineConfig.auto_opaque={self.auto_opaque!r} must be None, True or False")
         if self.graph_memory_limit is not None:
             _check_int("graph_memory_limit", self.graph_memory_limit, 1)
         if self.cache_dir is not None and not isinstance(self.cache_dir, (bool, str, os.PathLike)) \

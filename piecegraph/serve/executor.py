@@ -78,6 +78,8 @@ class Executor:
             self.mixed = Slot("breakable", piecegraph.compile(
                 model, mode="breakable", capture_sizes=config.piecewise_sizes, **common), config.piecewise_sizes)
         else:
+            # the engine's auto is piecegraph's auto for kernels nobody adapted: its modules wrap them too
+            common["auto_opaque"] = mode == "auto" if config.auto_opaque is None else config.auto_opaque
             self.mixed = Slot("piecewise", piecegraph.compile(
                 model, mode="piecewise", compiler=config.compiler, capture_sizes=config.piecewise_sizes, **common),
                 config.piecewise_sizes)

@@ -198,3 +198,27 @@ def test_a_first_call_of_one_token_in_a_forward_context_is_recorded_with_pad_row
             warnings.simplefilter("ignore")
             torch.testing.assert_close(graphed(ids, meta.positions), model(ids, meta.positions), rtol=0, atol=1e-6)
     assert set(graphed.stats()["auto_opaque"]) == {"jitlib_auto.bmm_fp8", "jitlib_auto.SegmentGemm.run"}
+
+
+def test_the_fp8_moe_decoder_on_jit_kernels_nobody_adapted_is_served_by_the_engine(fake_flashinfer):
+    """The engine's auto (and piecewise with auto_opaque=True, as serve-bench runs it) wraps the kernels as
+    piecegraph's auto does and serves the same greedy tokens as its eager mode; piecewise without it refuses the
+    model at setup, naming the fix."""
+    from piecegraph.graphs.fallback import TraceBreakError
+    from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+    model = quantize_fp8(MoEDecoder.random(TINY_MOE, seed=5), kernel="flashinfer")
+
+    def served(mode, **options):
+        config = EngineConfig(mode=mode, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32,
+                              decode_sizes=(1, 2, 4), prefill_sizes=(4, 8, 16), compiler="eager",
+                              emulate_graphs=True, **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Engine(model, config).generate(PROMPTS, SamplingParams(max_new_tokens=5))
+
+    expected = served("eager")
+    assert served("auto") == expected
+    assert served("piecewise", auto_opaque=True) == expected
+    with pytest.raises(TraceBreakError, match="auto_opaque=True"):
+        served("piecewise")
