@@ -100,7 +100,7 @@ class EngineConfig:
         for name in ("emulate_graphs", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
-        if self.auto_opaque not in (None, True, False):
+        if not (self.auto_opaque is None or isinstance(self.auto_opaque, bool)):
             raise ValueError(f"EngineConfig.auto_opaque={self.auto_opaque!r} must be None, True or False")
         if self.graph_memory_limit is not None:
             _check_int("graph_memory_limit", self.graph_memory_limit, 1)

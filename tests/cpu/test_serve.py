@@ -169,7 +169,8 @@ def test_requests_that_cannot_fit_or_repeat_an_id_are_refused(model):
         EngineConfig(mode="full")
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
-    for field, bad in (("graph_memory_limit", 0), ("graph_memory_limit", 2.5), ("cache_dir", 3), ("cache_dir", "")):
+    for field, bad in (("graph_memory_limit", 0), ("graph_memory_limit", 2.5), ("cache_dir", 3), ("cache_dir", ""),
+                       ("auto_opaque", 1), ("auto_opaque", "yes")):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
             EngineConfig(**{field: bad})
     vocab = model.config.vocab_size
