@@ -24,7 +24,7 @@ from piecegraph.ops.split import split_op_names
 from piecegraph.trace.split import split_graph
 
 from ..graphs.capture import repair_rng_after_failed_capture
-from .trace import diagnosis_limits
+from .trace import quiet_recompile_limit
 
 __all__ = ["CaptureFailure", "probe_graph", "probe_model", "count_pieces", "why_capture_fails"]
 
@@ -205,7 +205,7 @@ def probe_model(model: Callable, args: tuple, kwargs: Optional[dict] = None, con
 
     torch._dynamo.reset()
     try:
-        with torch._dynamo.config.patch(capture_scalar_outputs=True), diagnosis_limits():
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), quiet_recompile_limit():
             run_under(context, lambda: torch.compile(model, backend=backend)(*args, **(kwargs or {})))
     finally:
         torch._dynamo.reset()
