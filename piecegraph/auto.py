@@ -37,10 +37,12 @@ def setup_auto(model: torch.nn.Module, values: dict[str, Any], config: Config, a
     fixed = None
     summary = ""
     if error is not None:
-        fixed = advisor.fix_trace(model, scratch_arguments(values), config)  # automatic opaque included
+        # automatic opaque included; its rounds end as soon as this module traces after a fix
+        fixed = advisor.fix_trace(model, scratch_arguments(values), config,
+                                  retrace=lambda: try_trace(values, piecewise, verify_sizes))
         summary = fixed.summary
         if fixed.fixes:
-            error = try_trace(values, piecewise, verify_sizes)
+            error = None if fixed.traced else try_trace(values, piecewise, verify_sizes)
             summary = fixed.remaining  # the blockers the fixes left are the ones to name
     if error is None:
         if fixed is not None and fixed.wrapped:

@@ -10,7 +10,7 @@ doctor that cannot run must not hide the fallback or the original error.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -28,10 +28,13 @@ _ROUNDS = 4  # a fix can uncover the next break of a call chain; each round wrap
 
 
 def fix_rounds(model: Any, values: dict[str, Any], context: Any, wrap: bool, token_dim: int = 0,
-               static: tuple = ()) -> TraceFixes:
-    """The fix loop (module docstring). ``values``: the forward's arguments by name (copies: they run)."""
+               static: tuple = (), retrace: Optional[Callable[[], Optional[Exception]]] = None) -> TraceFixes:
+    """The fix loop (module docstring). ``values``: the forward's arguments by name (copies: they run).
+    ``retrace``: the caller's trace, tried after each round that fixed something; when it succeeds the loop ends
+    there (``traced``), without the diagnosis trace that would only confirm nothing blocks any more (a whole
+    Dynamo trace with breaks: half of automatic opaque's time on a 24-layer MoE)."""
     tops, applied, refused = _user_tops(model, ()), Applied(), {}
-    summary, stage = None, None
+    summary, stage, traced = None, None, False
     for _ in range(_ROUNDS):
         stage = _Stage(model, (), dict(values), context, tops, wrap, token_dim, static, refused)
         summary = "; ".join(blocker_lines(stage.findings)) if summary is None else summary
@@ -39,11 +42,15 @@ def fix_rounds(model: Any, values: dict[str, Any], context: Any, wrap: bool, tok
         fixable = [f for f in stage.findings if stage.fixes[id(f)].action is not None]
         if not stage.findings or apply_fixes(fixable, stage.fixes, applied, model) == 0:
             break
+        if retrace is not None and retrace() is None:
+            traced = True
+            break
     else:
         stage = _Stage(model, (), dict(values), context, tops, wrap, token_dim, static, refused)
     wrapped = {op.entry: op.line for op in applied.ops}
+    remaining = "" if traced else "; ".join(blocker_lines(stage.findings))
     return TraceFixes(list(applied.codes), wrapped, {k: v for k, v in refused.items() if k not in wrapped},
-                      summary or "", "; ".join(blocker_lines(stage.findings)), applied.routes.undo)
+                      summary or "", remaining, applied.routes.undo, traced)
 
 
 def _message(f: Finding, fix: str, mode: str, error: BaseException) -> str:
@@ -80,10 +87,11 @@ def explain(model: Any, values: dict[str, Any], config: Any, error: BaseExceptio
 class DoctorAdvisor:
     """Fixes, blocker names and errors from the doctor (see the module docstring)."""
 
-    def fix_trace(self, model: Any, values: dict[str, Any], config: Any) -> TraceFixes:
+    def fix_trace(self, model: Any, values: dict[str, Any], config: Any,
+                  retrace: Optional[Callable[[], Optional[Exception]]] = None) -> TraceFixes:
         try:
             return fix_rounds(model, values, current_forward_context(), wants_auto_opaque(config),
-                              config.token_dim, tuple(config.static_inputs))
+                              config.token_dim, tuple(config.static_inputs), retrace)
         except Exception as err:  # noqa: BLE001
             log.info("piecegraph: the doctor could not run: %s", err)
             return TraceFixes()

@@ -31,7 +31,8 @@ class TraceFixes:
     """What an advisor did to make the model trace: the code of every fix applied (one line each: the FlashInfer
     adapter, ``freeze``, the ``piecegraph.opaque(...)`` lines of automatic opaque), the functions wrapped (name ->
     line), those it could not wrap (name -> why), the blockers found before (``summary``) and left after
-    (``remaining``), and ``release``: undoes the routing of the wrapped functions (the owner's release)."""
+    (``remaining``), ``release``: undoes the routing of the wrapped functions (the owner's release), and
+    ``traced``: the caller's ``retrace`` succeeded inside :meth:`Advisor.fix_trace` (the module is set up)."""
 
     fixes: list = field(default_factory=list)
     wrapped: dict = field(default_factory=dict)
@@ -39,14 +40,18 @@ class TraceFixes:
     summary: str = ""
     remaining: str = ""
     release: Callable[[], None] = field(default=_nothing, repr=False)
+    traced: bool = False
 
 
 class Advisor(Protocol):
     """What the engine asks when Dynamo cannot trace the model."""
 
-    def fix_trace(self, model: Any, values: dict[str, Any], config: Any) -> TraceFixes:
+    def fix_trace(self, model: Any, values: dict[str, Any], config: Any,
+                  retrace: Optional[Callable[[], Optional[Exception]]] = None) -> TraceFixes:
         """Apply the known safe fixes (and automatic opaque when :func:`wants_auto_opaque`), tracing again after
-        each round, until nothing blocks or nothing more can be done. Never raises."""
+        each round, until nothing blocks or nothing more can be done. ``retrace``: the caller's own trace (its
+        error, or None once the module is set up), tried after each round that fixed something before another
+        diagnosis round (``traced`` in the result when it succeeded). Never raises."""
 
     def summarize(self, model: Any, values: dict[str, Any], error: BaseException) -> str:
         """One line naming what blocks tracing (``blocker_summary(error)`` when nothing better is known)."""
@@ -60,7 +65,8 @@ class Advisor(Protocol):
 class NoAdvice:
     """An advisor that knows no fixes and names only the error."""
 
-    def fix_trace(self, model: Any, values: dict[str, Any], config: Any) -> TraceFixes:
+    def fix_trace(self, model: Any, values: dict[str, Any], config: Any,
+                  retrace: Optional[Callable[[], Optional[Exception]]] = None) -> TraceFixes:
         return TraceFixes()
 
     def apply_fixes(self, model: Any, values: dict[str, Any]) -> tuple[list[str], str]:
@@ -120,9 +126,9 @@ def trace_or_explain(model: Any, copies: Callable[[], dict], config: Any, adviso
     if error is None:
         return None
     if wants_auto_opaque(config):
-        fixed = advisor.fix_trace(model, copies(), config)
+        fixed = advisor.fix_trace(model, copies(), config, retrace=try_trace)
         if fixed.fixes:
-            error = try_trace()
+            error = None if fixed.traced else try_trace()
             if error is None:
                 if fixed.wrapped:
                     warnings.warn(wrapped_warning(fixed.wrapped, config.mode), stacklevel=stacklevel)

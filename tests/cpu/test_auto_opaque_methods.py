@@ -161,3 +161,27 @@ def test_release_puts_back_every_held_kernel_even_beside_tensors_of_other_shapes
     del graphed
     gc.collect()
     assert all(model[i].kernel is original for i in (0, 2)) and jitlib_auto.bmm is original
+
+
+def test_auto_ends_its_fix_rounds_when_the_module_traces_after_a_fix(monkeypatch):
+    """One diagnosis trace (it sees every break) then the module's own trace, which succeeds: no second diagnosis
+    trace only to confirm nothing blocks any more. The module's traces inside the advisor count as trace_s, not
+    diagnose_s."""
+    import piecegraph.diagnose.core as core
+
+    diagnosis_traces = []
+    real = core.trace
+    monkeypatch.setattr(core, "trace", lambda *a, **k: diagnosis_traces.append(1) or real(*a, **k))
+    torch.manual_seed(2)
+    model = TwoLayers().eval()
+    graphed = piecegraph.compile(model, mode="auto", capture_sizes=(4,), emulate_graphs=True, token_mixing="pad")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(graphed(x), model(x), rtol=0, atol=1e-5)
+    stats = graphed.stats()
+    assert stats["mode"] == "piecewise" and ENTRY in stats["auto_opaque"]
+    assert len(diagnosis_traces) == 1
+    startup = stats["startup"]
+    assert startup["diagnose_s"] > 0 and startup["trace_s"] > 0
+    assert startup["diagnose_s"] + startup["trace_s"] + startup["compile_s"] <= startup["setup_s"]
