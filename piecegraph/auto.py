@@ -38,11 +38,13 @@ def setup_auto(model: torch.nn.Module, values: dict[str, Any], config: Config, a
     summary = ""
     if error is not None:
         # automatic opaque included; its rounds end as soon as this module traces after a fix
-        fixed = advisor.fix_trace(model, scratch_arguments(values), config,
-                                  retrace=lambda: try_trace(values, piecewise, verify_sizes))
+        def retrace() -> Exception | None:
+            return try_trace(values, piecewise, verify_sizes)
+
+        fixed = advisor.fix_trace(model, scratch_arguments(values), config, retrace=retrace)
         summary = fixed.summary
         if fixed.fixes:
-            error = None if fixed.traced else try_trace(values, piecewise, verify_sizes)
+            error = fixed.trace_error(retrace)
             summary = fixed.remaining  # the blockers the fixes left are the ones to name
     if error is None:
         if fixed is not None and fixed.wrapped:

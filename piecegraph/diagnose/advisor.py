@@ -34,23 +34,25 @@ def fix_rounds(model: Any, values: dict[str, Any], context: Any, wrap: bool, tok
     there (``traced``), without the diagnosis trace that would only confirm nothing blocks any more (a whole
     Dynamo trace with breaks: half of automatic opaque's time on a 24-layer MoE)."""
     tops, applied, refused = _user_tops(model, ()), Applied(), {}
-    summary, stage, traced = None, None, False
+    summary, stage, traced, error = None, None, False, None
     for _ in range(_ROUNDS):
         stage = _Stage(model, (), dict(values), context, tops, wrap, token_dim, static, refused)
         summary = "; ".join(blocker_lines(stage.findings)) if summary is None else summary
         refused.update(stage.wrapping.refused)
         fixable = [f for f in stage.findings if stage.fixes[id(f)].action is not None]
         if not stage.findings or apply_fixes(fixable, stage.fixes, applied, model) == 0:
-            break
-        if retrace is not None and retrace() is None:
-            traced = True
-            break
+            break  # nothing applied since the last retrace: its error stands for the module as it is
+        if retrace is not None:
+            error = retrace()
+            if error is None:
+                traced = True
+                break
     else:
         stage = _Stage(model, (), dict(values), context, tops, wrap, token_dim, static, refused)
     wrapped = {op.entry: op.line for op in applied.ops}
     remaining = "" if traced else "; ".join(blocker_lines(stage.findings))
     return TraceFixes(list(applied.codes), wrapped, {k: v for k, v in refused.items() if k not in wrapped},
-                      summary or "", remaining, applied.routes.undo, traced)
+                      summary or "", remaining, applied.routes.undo, traced, error)
 
 
 def _message(f: Finding, fix: str, mode: str, error: BaseException) -> str:

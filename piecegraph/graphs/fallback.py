@@ -31,8 +31,9 @@ class TraceFixes:
     """What an advisor did to make the model trace: the code of every fix applied (one line each: the FlashInfer
     adapter, ``freeze``, the ``piecegraph.opaque(...)`` lines of automatic opaque), the functions wrapped (name ->
     line), those it could not wrap (name -> why), the blockers found before (``summary``) and left after
-    (``remaining``), ``release``: undoes the routing of the wrapped functions (the owner's release), and
-    ``traced``: the caller's ``retrace`` succeeded inside :meth:`Advisor.fix_trace` (the module is set up)."""
+    (``remaining``), ``release``: undoes the routing of the wrapped functions (the owner's release),
+    ``traced``: the caller's ``retrace`` succeeded inside :meth:`Advisor.fix_trace` (the module is set up), and
+    ``error``: what the last ``retrace`` raised otherwise (None when it never ran), for the module as it is now."""
 
     fixes: list = field(default_factory=list)
     wrapped: dict = field(default_factory=dict)
@@ -41,6 +42,14 @@ class TraceFixes:
     remaining: str = ""
     release: Callable[[], None] = field(default=_nothing, repr=False)
     traced: bool = False
+    error: Optional[Exception] = None
+
+    def trace_error(self, retrace: Callable[[], Optional[Exception]]) -> Optional[Exception]:
+        """After fixes: the module's trace error (None: it traced), from the advisor's last ``retrace`` when one
+        ran (the fixes were all applied before it), else from ``retrace`` now."""
+        if self.traced:
+            return None
+        return self.error if self.error is not None else retrace()
 
 
 class Advisor(Protocol):
@@ -128,7 +137,7 @@ def trace_or_explain(model: Any, copies: Callable[[], dict], config: Any, adviso
     if wants_auto_opaque(config):
         fixed = advisor.fix_trace(model, copies(), config, retrace=try_trace)
         if fixed.fixes:
-            error = None if fixed.traced else try_trace()
+            error = fixed.trace_error(try_trace)
             if error is None:
                 if fixed.wrapped:
                     warnings.warn(wrapped_warning(fixed.wrapped, config.mode), stacklevel=stacklevel)

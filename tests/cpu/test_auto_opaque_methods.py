@@ -185,3 +185,34 @@ def test_auto_ends_its_fix_rounds_when_the_module_traces_after_a_fix(monkeypatch
     startup = stats["startup"]
     assert startup["diagnose_s"] > 0 and startup["trace_s"] > 0
     assert startup["diagnose_s"] + startup["trace_s"] + startup["compile_s"] <= startup["setup_s"]
+
+
+class _WithABranch(TwoLayers):
+    """The grouped experts (automatic opaque wraps their kernel) and a branch on a tensor's value in the model's
+    own code, which no fix removes: auto falls back."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        if x.sum() > 0:  # data-dependent control flow: Dynamo cannot trace it as one graph
+            return x * 2
+        return x
+
+
+def test_auto_falls_back_without_tracing_again_what_its_last_retrace_already_refused(monkeypatch):
+    """The module's traces: the first attempt and one after the fix round; the advisor's last retrace error is the
+    module's as it stands, so the fallback (eager on CPU) does not trace a third time, and equals eager."""
+    from piecegraph.graphed_module import GraphedModule
+
+    tries = []
+    real = GraphedModule._try_trace
+    monkeypatch.setattr(GraphedModule, "_try_trace", lambda self, *a: tries.append(1) or real(self, *a))
+    torch.manual_seed(3)
+    model = _WithABranch().eval()
+    graphed = piecegraph.compile(model, mode="auto", capture_sizes=(4,), emulate_graphs=True, token_mixing="pad")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(graphed(x), model(x), rtol=0, atol=1e-5)
+    assert graphed.stats()["mode"] == "none"  # auto's fallback on CPU: eager (breakable graphs on CUDA)
+    assert any("eager" in str(w.message) for w in caught)  # the fallback warning names it
+    assert len(tries) == 2, len(tries)
