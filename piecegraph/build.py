@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from .adapters.jit_clock import JitBuild
 from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
 from .binding_snapshot import BindingSnapshot, restore_binding, snapshot_binding
 from .config import Config
@@ -38,8 +39,9 @@ class Startup:
     where JIT kernels such as FlashInfer's build), trace (Dynamo and the trace call's run), compile (splitting
     and Inductor, static compiles included), diagnose (the advisor's work when a trace fails: the doctor's own
     traces and automatic opaque's probe runs, none of it in trace or compile) and the whole setup; and what the
-    artifact cache did (``cache``: filled by :func:`piecegraph.cache.compile_cache`). Accumulates over retraces
-    and recompiles."""
+    artifact cache did (``cache``: filled by :func:`piecegraph.cache.compile_cache`); and FlashInfer's JIT builds
+    (``jit``: :func:`piecegraph.adapters.jit_clock.jit_builds`, whose seconds are also inside the stage that
+    ran them, mostly prewarm). Accumulates over retraces and recompiles."""
 
     compiler_import_s: float = 0.0  # importing Dynamo and Inductor, the first setup in a process pays it
     prewarm_s: float = 0.0
@@ -48,6 +50,7 @@ class Startup:
     diagnose_s: float = 0.0  # finding what stops Dynamo and fixing it (doctor rounds, automatic opaque's probes)
     setup_s: float = 0.0
     cache: dict[str, Any] = field(default_factory=lambda: {"cache": "off"})
+    jit: list[JitBuild] = field(default_factory=list)  # FlashInfer's ninja runs in setup and capture, each stage's too
 
 
 @dataclass

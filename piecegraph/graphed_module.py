@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .adapters.jit_clock import jit_builds
+from .adapters.jit_clock import summarize as jit_summary
 from .auto import piecewise_config, setup_auto
 from .binding import Binding, arguments_by_name, positional_names, scratch_arguments, static_suspect
 from .build import Startup, TimedAdvisor, breakable_model, load_trace, static_from_mismatch, trace_model, trace_snapshot
@@ -158,8 +160,9 @@ class GraphedModule(torch.nn.Module):
         start = time.perf_counter()
         if self.config.mode != "breakable":  # breakable runs no Dynamo and no Inductor
             self._startup.compiler_import_s = _import_compiler_stack()
-        with compile_cache(self.model, values, self.config, self._startup.cache) as entry:
+        with jit_builds() as builds, compile_cache(self.model, values, self.config, self._startup.cache) as entry:
             self._setup_stages(values, entry)
+        self._startup.jit.extend(builds)
         self._startup.setup_s = time.perf_counter() - start
         held = hold_routed()  # Dynamo may have traced through another module's automatic opaque routes
         if held.ops:
@@ -299,13 +302,14 @@ class GraphedModule(torch.nn.Module):
         from .context import forward_context
 
         sizes = sorted(sizes or self.config.sizes, reverse=True)
-        with capture_bar(self.config.progress, sizes) as update, capture_batch():
+        with jit_builds() as builds, capture_bar(self.config.progress, sizes) as update, capture_batch():
             for done, n in enumerate(sizes):
                 update(n, done)
                 args, meta = _capture_inputs(make_inputs, n)
                 _check_capture_tokens(self._arguments(args, {}), n, self.config)
                 with forward_context(meta) if meta is not None else contextlib.nullcontext():
                     self(*args)
+        self._startup.jit.extend(builds)  # a setup inside the first size recorded into this block's list
         if len(sizes) > 1:
             line = summary(self.stats()["startup"])
             log.info(line)
@@ -342,7 +346,7 @@ class GraphedModule(torch.nn.Module):
         return {"import_s": import_s, "compiler_import_s": s.compiler_import_s, "prewarm_s": s.prewarm_s,
                 "trace_s": s.trace_s, "compile_s": s.compile_s, "diagnose_s": s.diagnose_s,
                 "setup_s": s.setup_s, "capture_s": capture, "ready_s": s.setup_s + capture,
-                "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
+                **jit_summary(s.jit), "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
                 "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"), **s.cache}
 
 

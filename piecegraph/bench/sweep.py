@@ -138,8 +138,8 @@ def _run_mode(name: str, model: torch.nn.Module, cases: Sequence[Case], make_inp
         if row.skipped is None:
             row.setup_s, row.pool_mib = facts["setup_s"], facts["pool_mib"]
     stages = facts.get("startup") or {}
-    split = ", ".join(f"{k[:-2]} {stages[k]:.1f}" for k in ("prewarm_s", "trace_s", "diagnose_s", "compile_s")
-                      if stages.get(k))
+    keys = ("prewarm_s", "jit_build_s", "trace_s", "diagnose_s", "compile_s")  # the JIT build is inside prewarm
+    split = ", ".join(f"{k[:-2]} {stages[k]:.1f}" for k in keys if stages.get(k))
     log(f"{name}: setup {facts['setup_s']:.1f} s ({split + ', ' if split else ''}capture {facts['capture_s']} s), "
         f"pool {facts['pool_mib']} MiB, pieces {facts['pieces']}")
     return rows, facts

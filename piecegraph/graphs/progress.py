@@ -48,8 +48,12 @@ def capture_bar(setting: bool | None, sizes: list[int], title: str = "piecegraph
 def summary(startup: dict[str, Any]) -> str:
     """One line: where the start's seconds went, and the pool."""
     parts = [f"{name} {startup[key]:.1f} s" for key, name in (
-        ("prewarm_s", "prewarm/JIT"), ("trace_s", "trace"), ("compile_s", "compile"), ("capture_s", "capture"))
+        ("prewarm_s", "prewarm"), ("trace_s", "trace"), ("compile_s", "compile"), ("capture_s", "capture"))
         if startup.get(key)]
+    if startup.get("jit_build_s"):  # inside the stages above (mostly prewarm), said apart: a fresh machine's cost
+        built = len(startup["jit_built"])
+        parts.append(f"of which FlashInfer JIT build {startup['jit_build_s']:.1f} s "
+                     f"({built} module{'s' * (built != 1)})")
     cache = startup.get("cache", "off")
     pool = f"pool {startup.get('pool_bytes', 0) / 2**20:.1f} MiB"
     if startup.get("pool_estimate_bytes"):

@@ -53,8 +53,8 @@ def gpu_bounds(results: Sequence[dict[str, Any]]) -> dict[int, float]:
 def capture_table(results: Sequence[dict[str, Any]]) -> Table:
     """What each mode's engine captured at start: sizes, seconds, pool MiB."""
     out = Table(title="graphs captured at engine start (auto: which module decode steps replay, per full size)")
-    for header in ("mode", "module", "sizes", "capture s", "setup s (trace + compile + capture)", "pool MiB",
-                   "decode replays"):
+    for header in ("mode", "module", "sizes", "trace s", "compile s", "JIT build s", "capture s",
+                   "setup s (all of it)", "pool MiB", "decode replays"):
         out.add_column(header, justify="left" if header in ("mode", "module", "sizes", "decode replays") else "right")
     for result in results:
         report = result.get("capture") or {"modules": {}, "pool_mib": 0.0}
@@ -62,8 +62,10 @@ def capture_table(results: Sequence[dict[str, Any]]) -> Table:
             sizes = module["sizes"]
             shown = f"{len(sizes)}: {sizes[0]}..{sizes[-1]}" if sizes else "none"
             picks = _picks(report.get("decode_choice", {})) if kind == "full" else ""
-            out.add_row(result["mode"], kind, shown, f"{module['capture_s']:.1f}", f"{module['setup_s']:.1f}",
-                        f"{report['pool_mib']:.0f}", picks)
+            stages = module.get("startup") or {}
+            out.add_row(result["mode"], kind, shown,
+                        *(f"{stages.get(k) or 0.0:.1f}" for k in ("trace_s", "compile_s", "jit_build_s")),
+                        f"{module['capture_s']:.1f}", f"{module['setup_s']:.1f}", f"{report['pool_mib']:.0f}", picks)
     return out
 
 
