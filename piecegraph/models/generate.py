@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from piecegraph.attention.kv_cache import KVCache
-from piecegraph.attention.metadata import AttentionMetadata
+from piecegraph.attention.metadata import AttentionMetadata, to_device
 from piecegraph.context import forward_context
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
@@ -77,10 +77,16 @@ def greedy_loop(model: Any, cache: KVCache, prompts: Sequence[Sequence[int]], ma
     ``model.logits(hidden_rows)`` turns hidden states into logits (the reference decoder and
     ``piecegraph.hf.HFDecoder`` both have it). Prompts are non-empty and ``max_new_tokens >= 1`` (the public
     callers check). Sequences are ``(tag, i)`` in ``cache``: ids the cache already holds are refused; each
-    sequence's pages are freed as soon as it finishes, and every page on the way out, errors included. Each
-    decode step builds its metadata once on the host (pages, the backend's plan), so ``decode_fn`` may replay
-    full CUDA graphs. Without stop ids no step reads tokens back to the host until the end (one sync); with them,
-    each step reads its tokens to learn which sequences finished.
+    sequence's pages are freed as soon as it finishes, and every page on the way out, errors included.
+    Each decode step builds its metadata once on the host (pages, the backend's plan), so ``decode_fn`` may replay
+    full CUDA graphs.
+
+    Overlapped on a GPU: step k+1 is launched on step k's tokens while they are still on the device, and the host
+    reads step k's tokens (a pinned copy and an event, see :func:`start_host_copy`) while step k+1 runs. A
+    sequence that stopped at step k therefore runs once more in step k+1, whose token for it is dropped. Its
+    pages are freed when the host learns it stopped: a step that reuses them is queued after step k+1 on the same
+    stream. The tokens are the synchronous loop's exactly: each step's inputs are the previous step's argmax,
+    whoever reads them.
     """
     ids = [(tag, i) for i in range(len(prompts))]
     taken = set(ids) & set(cache.sequences())
@@ -88,7 +94,6 @@ def greedy_loop(model: Any, cache: KVCache, prompts: Sequence[Sequence[int]], ma
         raise ValueError(f"the KV cache already holds sequences {sorted(taken)}; generate() uses those ids")
     device = cache.device
     out: list[list[int]] = [[] for _ in prompts]
-    steps: list[torch.Tensor] = []  # without stop ids: every step's tokens, read once at the end
     try:
         meta = AttentionMetadata.for_batch(cache, [(s, 0, len(p)) for s, p in zip(ids, prompts)])
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
@@ -96,39 +101,63 @@ def greedy_loop(model: Any, cache: KVCache, prompts: Sequence[Sequence[int]], ma
             hidden = prefill_fn(input_ids, meta.positions)
         ends = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
         tokens = model.logits(hidden[ends]).argmax(-1)
-        active = list(range(len(prompts)))
-        for made in range(1, max_new_tokens + 1):
-            if stop:
-                active = _record(tokens.tolist(), active, out, stop, made, max_new_tokens, cache, ids)
-                tokens = torch.tensor([out[i][-1] for i in active], dtype=torch.int64, device=device)
-            else:
-                steps.append(tokens)
-                if made == max_new_tokens:
-                    active = []
-            if not active:
-                break
-            meta = AttentionMetadata.for_decode(cache, [(ids[i], len(prompts[i]) + made - 1) for i in active])
-            with forward_context(meta):
-                hidden = decode_fn(tokens, meta.positions)
-            tokens = model.logits(hidden[: len(active)]).argmax(-1)
+        running, made = list(range(len(prompts))), 1  # rows of `tokens`; tokens each running sequence has
+        pending, rows = start_host_copy(tokens), None  # rows: which of pending's rows still run
+        while running:
+            launched = None
+            if made < max_new_tokens:  # step made+1, on the device's tokens, before this step's are read
+                meta = AttentionMetadata.for_decode(cache, [(ids[i], len(prompts[i]) + made - 1) for i in running])
+                with forward_context(meta):
+                    hidden = decode_fn(tokens, meta.positions)
+                tokens = model.logits(hidden[: len(running)]).argmax(-1)
+                launched = start_host_copy(tokens)
+            values = read_host_copy(pending)  # step `made`'s tokens: the launch above is already queued
+            values = values if rows is None else [values[r] for r in rows]
+            keep = _record(values, running, out, stop, made, max_new_tokens)
+            kept, rows = set(keep), None
+            for i in running:  # a step in flight may still use them: any later one runs after it, on this stream
+                if i not in kept:
+                    cache.free(ids[i])
+            if launched is not None and len(keep) < len(running):  # the next step runs the survivors' rows only
+                rows = [r for r, i in enumerate(running) if i in kept]
+                tokens = tokens.index_select(0, to_device({"rows": rows}, device)["rows"])
+            running, pending, made = keep, launched, made + 1
     finally:
         for s in ids:
             if s in cache.sequences():
                 cache.free(s)
-    return torch.stack(steps, dim=1).tolist() if steps else out
+    return out
 
 
-def _record(tokens: list[int], active: list[int], out: list[list[int]], stop: frozenset[int], made: int,
-            limit: int, cache: KVCache, ids: list) -> list[int]:
-    """Append each active sequence's token; return those still running, freeing the others' pages at once."""
-    running = []
-    for i, token in zip(active, tokens):
+def start_host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying ``tokens`` to the host without waiting: ``(pinned host tensor, event after the copy)``; on
+    a CPU the tensor itself and no event. Read it with :func:`read_host_copy`."""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def read_host_copy(copy: tuple[torch.Tensor, Any]) -> list[int]:
+    """The values of :func:`start_host_copy`, waiting for that copy only (not for work queued after it)."""
+    host, ready = copy
+    if ready is not None:
+        ready.synchronize()
+    return host.tolist()
+
+
+def _record(tokens: list[int], running: list[int], out: list[list[int]], stop: frozenset[int], made: int,
+            limit: int) -> list[int]:
+    """Append each running sequence's token; return those that go on."""
+    keep = []
+    for i, token in zip(running, tokens):
         out[i].append(token)
-        if token in stop or made >= limit:
-            cache.free(ids[i])
-        else:
-            running.append(i)
-    return running
+        if token not in stop and made < limit:
+            keep.append(i)
+    return keep
 
 
 def dummy_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n: int

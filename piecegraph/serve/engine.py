@@ -30,6 +30,7 @@ from piecegraph.attention.kv_cache import KVCache
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.attention.pages import pages_for
 from piecegraph.graphs.capture import timed_capture
+from piecegraph.models.generate import start_host_copy
 from piecegraph.program import describe
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
@@ -57,17 +58,6 @@ class InFlight:
     phases: tuple[float, float, float]
     plan_s: float
     plans: int
-
-
-def _to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Start copying ``tokens`` to the host without waiting: a pinned buffer and an event after the copy."""
-    if not tokens.is_cuda:
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 def _plan_clock(backend: Any) -> tuple[float, int]:
@@ -190,7 +180,7 @@ class Engine:
         built = time.perf_counter()
         hidden, kind, padded = self.executor.run(inputs.input_ids, meta)
         tokens = self._sample(hidden, inputs, batch.num_tokens)
-        host, ready = _to_host(tokens)
+        host, ready = start_host_copy(tokens)
         launched = time.perf_counter()
         plan_s, plans = (a - b for a, b in zip(_plan_clock(self.cache.backend), plan_clock))
         for r in batch.rows:
