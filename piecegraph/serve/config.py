@@ -36,7 +36,10 @@ class EngineConfig:
         max_num_batched_tokens: the per-step token budget; prefills longer than what is left are chunked.
             Piecewise graphs are captured up to ``max(max_num_batched_tokens, max_num_seqs)``.
         num_pages: pages of the paged KV cache, the scratch page included; ``None`` = room for ``max_num_seqs``
-            sequences of ``max_seq_len`` tokens (no preemption then). Smaller budgets preempt (recompute).
+            sequences of ``max_seq_len`` tokens (no preemption then) when that fits in ``kv_cache_memory``, else
+            what fits there (``serve/kv_budget.py``). Smaller budgets preempt (recompute).
+        kv_cache_memory: the fraction of the device memory free at engine start (weights loaded) that a cache
+            sized by default may take (CUDA only; the rest is for graphs, activations and kernel workspaces).
         page_size: tokens per KV page.
         max_seq_len: the longest request (prompt + new tokens); ``None`` = the model config's ``max_seq_len``. It
             fixes the width of the device page table and of the dense decode page tables gathered from it (and
@@ -67,6 +70,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     num_pages: int | None = None
+    kv_cache_memory: float = 0.85
     page_size: int = 16
     max_seq_len: int | None = None
     decode_sizes: tuple[int, ...] | None = None
@@ -90,6 +94,9 @@ class EngineConfig:
             _check_int("num_pages", self.num_pages, 2)
         if self.max_seq_len is not None:
             _check_int("max_seq_len", self.max_seq_len, 1)
+        fraction = self.kv_cache_memory
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory={fraction!r} must be a fraction in (0, 1], e.g. 0.85")
         for name in ("decode_sizes", "prefill_sizes"):
             sizes = getattr(self, name)
             if sizes is not None:

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
@@ -28,17 +29,19 @@ import torch
 
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.attention.metadata import AttentionMetadata
-from piecegraph.attention.pages import pages_for
 from piecegraph.graphs.capture import timed_capture
 from piecegraph.models.generate import start_host_copy
 from piecegraph.program import describe
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
 from piecegraph.serve.inputs import StepInputs, build_inputs
+from piecegraph.serve.kv_budget import KVBudget, free_device_bytes, kv_budget, page_bytes
 from piecegraph.serve.request import Request, SamplingParams, Status
 from piecegraph.serve.sampling import sample_on_device
 from piecegraph.serve.scheduler import Batch, Scheduler
 from piecegraph.serve.stats import StepStats, summarize
+
+log = logging.getLogger("piecegraph")
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *, cache: KVCache | None = None,
                  progress: Progress | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
+        self.kv_budget: KVBudget | None = None  # how a default cache was sized (serve/kv_budget.py)
         self.cache = cache or self._build_cache()
         self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.executor = Executor(model, self.config)
@@ -94,7 +98,15 @@ class Engine:
         cfg, model_cfg = self.config, self.model.config
         param = next(self.model.parameters())
         max_len = cfg.max_seq_len or model_cfg.max_seq_len
-        pages = cfg.num_pages or cfg.max_num_seqs * pages_for(max_len, cfg.page_size) + 1
+        pages = cfg.num_pages
+        if pages is None:
+            budget = kv_budget(
+                max_num_seqs=cfg.max_num_seqs, max_seq_len=max_len, page_size=cfg.page_size,
+                page_bytes=page_bytes(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                      cfg.page_size, param.dtype),
+                fraction=cfg.kv_cache_memory, free_bytes=free_device_bytes(param.device))
+            (log.warning if budget.trimmed else log.info)(budget.describe())
+            pages, self.kv_budget = budget.pages, budget
         return KVCache(model_cfg, pages, cfg.page_size, dtype=param.dtype, device=param.device, max_seq_len=max_len,
                        backend=cfg.attention_backend)
 
@@ -260,4 +272,7 @@ class Engine:
 
     def capture_report(self) -> dict[str, Any]:
         """What start captured: per module its sizes and seconds, the pool's MiB, and the whole setup seconds."""
-        return {**self.executor.report(), "setup_s": round(self.setup_s, 3)}
+        kv = {"pages": self.cache.num_pages, "trimmed_from": None}
+        if self.kv_budget is not None and self.kv_budget.trimmed:
+            kv["trimmed_from"] = self.kv_budget.wanted
+        return {**self.executor.report(), "setup_s": round(self.setup_s, 3), "kv_cache": kv}
