@@ -68,7 +68,7 @@ def bench(
                               "PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
     quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
                               "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
-    modes: str = typer.Option("all", help="comma-separated: eager,full,full-compiled,full-static,piecewise,"
+    modes: str = typer.Option("all", help="comma-separated: eager,full,full-compiled,full-static,full-pieces,piecewise,"
                               "piecewise-static,breakable,auto,"
                               "torch.compile,reduce-overhead,graph-partition,baked-graph,meta-pcg,none "
                               "(all: every mode on GPU, eager,none on CPU)"),

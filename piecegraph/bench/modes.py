@@ -6,6 +6,7 @@
 | full | piecegraph ``mode="full"``, ``compiler="eager"``: the traced ops, whole graph captured (decode only) |
 | full-compiled | piecegraph ``mode="full"``, Inductor: the best case for decode |
 | full-static | full-compiled, ``compile_sizes="auto"``: each size also compiled static, kept where it ran faster |
+| full-pieces | full-compiled, ``full_compile="pieces"``: the pieces between split ops compiled, each distinct once |
 | piecewise | piecegraph ``mode="piecewise"``, Inductor: graphs between attention calls, attention eager |
 | piecewise-static | piecewise, ``compile_sizes="auto"``: each size also compiled static, kept where it ran faster |
 | breakable | piecegraph ``mode="breakable"``: eager forward captured in segments, no Dynamo (when it exists) |
@@ -40,12 +41,12 @@ from piecegraph.bench.baked import BakedGraph
 from piecegraph.bench.harness import sync
 
 # Slowest to compile last: a sweep cut short by a time limit loses the baselines, not piecegraph's modes.
-GPU_MODES = ("eager", "full", "full-compiled", "full-static", "piecewise", "piecewise-static", "breakable", "auto",
-             "meta-pcg", "torch.compile", "reduce-overhead", "graph-partition", "baked-graph")
+GPU_MODES = ("eager", "full", "full-compiled", "full-static", "full-pieces", "piecewise", "piecewise-static",
+             "breakable", "auto", "meta-pcg", "torch.compile", "reduce-overhead", "graph-partition", "baked-graph")
 CPU_MODES = ("eager", "none")
 KNOWN_MODES = GPU_MODES + ("none",)
-_GRAPHED = ("full", "full-compiled", "full-static", "piecewise", "piecewise-static", "breakable", "auto", "meta-pcg",
-            "reduce-overhead", "graph-partition", "baked-graph")
+_GRAPHED = ("full", "full-compiled", "full-static", "full-pieces", "piecewise", "piecewise-static", "breakable",
+            "auto", "meta-pcg", "reduce-overhead", "graph-partition", "baked-graph")
 
 FULL_PREFILL = ("a full graph captures pure decode steps only (token-aligned metadata); a varlen prefill's layout "
                 "is host metadata, so it needs piecewise (piecegraph rejects it)")
@@ -169,8 +170,9 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
         compiler = "eager" if name == "full" else "inductor"
         graphed, seconds = _graphed(model, "full", compiler, decode_sizes, make_inputs)
         return Prepared(name, graphed, seconds, graphed.stats, prefill_skip=FULL_PREFILL)
-    if name == "full-static":
-        graphed, seconds = _graphed(model, "full", "inductor", decode_sizes, make_inputs, compile_sizes="auto")
+    if name in ("full-static", "full-pieces"):
+        extra = {"compile_sizes": "auto"} if name == "full-static" else {"full_compile": "pieces"}
+        graphed, seconds = _graphed(model, "full", "inductor", decode_sizes, make_inputs, **extra)
         return Prepared(name, graphed, seconds, graphed.stats, prefill_skip=FULL_PREFILL)
     if name in ("piecewise", "none", "breakable"):
         graphed, seconds = _graphed(model, name, "inductor", every, make_inputs)

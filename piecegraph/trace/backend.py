@@ -253,8 +253,11 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
-        with fake_mode:
-            fn = _compile_piece(gm, fake_args, config.compiler)
+        if config.full_compile == "pieces" and config.compiler == "inductor" and not static_sizes:
+            fn = _compiled_by_pieces(gm, fake_args, fake_mode, config, sym)
+        else:
+            with fake_mode:
+                fn = _compile_piece(gm, fake_args, config.compiler)
         static, static_s = compile_static(gm, fake_args, sym, static_sizes, "graph", single) if static_sizes \
             else ({}, 0.0)
         pieces = [GraphedPiece("graph", fn, state, static, measure)]
@@ -288,6 +291,21 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         mutated_inputs=written,
         static_compile_s=static_s,
     )
+
+
+def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mode: Any, config: Config,
+                        token_symbols: Any) -> Callable[..., Any]:
+    """``gm`` as ``Config(full_compile="pieces")`` compiles it for a full graph: cut at the split ops, each piece
+    compiled as piecewise compiles it (identical pieces once), and the whole run as one plain function that the
+    one :class:`GraphedPiece` of ``mode="full"`` captures, split ops included. Same inputs and outputs as ``gm``."""
+    split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
+    compiled, _, _ = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, token_symbols, ())
+    for info in infos:
+        if info.name in compiled:
+            split_gm.__dict__[info.name] = compiled[info.name]
+        elif info.is_split:
+            split_gm.__dict__[info.name] = _plain_forward(getattr(split_gm, info.name))
+    return _plain_forward(split_gm)
 
 
 def _plain_forward(sub: torch.fx.GraphModule) -> Callable[..., Any]:

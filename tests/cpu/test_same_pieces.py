@@ -109,3 +109,31 @@ def test_state_the_key_cannot_compare_makes_a_piece_its_own():
     gm = torch.fx.symbolic_trace(WithConstant())  # a get_attr node: the buffer's values are not in the key
     assert piece_key(gm, [torch.randn(4, 8)]) is None
     assert piece_key(torch.fx.symbolic_trace(lambda a: a * 2), [object()]) is None
+
+
+def test_a_full_graph_compiled_by_pieces_compiles_each_distinct_layer_once_and_equals_eager(monkeypatch):
+    """Config(full_compile="pieces"): mode="full" cuts its graph at the split ops, compiles the distinct pieces
+    (first, one middle layer, last) instead of the whole graph, and still captures one graph per size whose
+    greedy tokens (decode steps of 3 rows replay the size-4 graph, padded) equal eager's and the whole-graph
+    compile's."""
+    model = Decoder.random(dataclasses.replace(TINY, num_layers=5), seed=0).eval()
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6]]
+    outputs = {}
+    for how in ("whole", "pieces"):
+        compiled = _counting(monkeypatch)
+        cache = KVCache.for_sequences(model.config, 4, 48)
+        graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4), emulate_graphs=True,
+                                     full_compile=how)
+        graphed.capture(lambda n, cache=cache: dummy_inputs(model, cache, n))
+        assert graphed.stats()["pieces"] == 1  # one graph per size either way
+        assert len(compiled) == (1 if how == "whole" else 3)
+        outputs[how] = generate(model, prompts + [[2, 7]], 6, cache=cache, decode_fn=graphed)  # 3 rows: padded
+        monkeypatch.undo()
+    assert outputs["pieces"] == outputs["whole"] == generate(model, prompts + [[2, 7]], 6)
+
+
+def test_full_compile_is_refused_unless_whole_or_pieces():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"full_compile='layers' is not one of \('whole', 'pieces'\)"):
+        piecegraph.Config(full_compile="layers")
