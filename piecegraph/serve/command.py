@@ -90,7 +90,8 @@ def serve_bench(
     range_ratio: float = typer.Option(0.25, min=0.0, max=0.99, help="lengths uniform in len*(1 -/+ ratio)"),
     max_batched_tokens: int = typer.Option(2048, min=1, help="per-step token budget (chunked prefill above it)"),
     max_num_seqs: int = typer.Option(0, min=0, help="most running requests (0: the largest concurrency)"),
-    num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request, no preemption)"),
+    num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request at full length "
+                                   "when that fits in 85% of the free GPU memory, else what fits)"),
     page_size: int = typer.Option(16, min=1, help="tokens per KV page"),
     compiler: str = typer.Option("inductor", help="inductor | eager (piecegraph's compiler of the pieces)"),
     emulate: bool | None = typer.Option(None, "--emulate/--no-emulate", help="emulate graph replay (default: on "

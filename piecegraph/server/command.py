@@ -34,7 +34,8 @@ def serve(
     max_batched_tokens: int = typer.Option(0, min=0, help="per-step token budget, chunked prefill above it (0: "
                                            "2048 on GPU, 256 on CPU)"),
     max_seq_len: int = typer.Option(0, min=0, help="longest request, prompt + output (0: the model's)"),
-    num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request at full length)"),
+    num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request at full length "
+                                   "when that fits in 85% of the free GPU memory, else what fits)"),
     page_size: int = typer.Option(16, min=1, help="tokens per KV page"),
     max_pending: int = typer.Option(0, min=0, help="requests admitted at once, running or waiting; more get 429 "
                                     "(0: four times --max-num-seqs)"),

@@ -321,7 +321,7 @@ def test_demo_engine_on_cpu():
 def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     """The estimate's arithmetic on a known timer (one request alone: P prompt tokens at the prefill rate, then
     O - 1 decode steps), and its engine timer's bookkeeping on CPU with stand-in CUDA events: it times the
-    module the engine would pick and frees every page it took."""
+    module the engine would pick and the LM head on the rows that step samples, and frees every page it took."""
     from piecegraph.serve.gpu_bound import engine_timer, estimate
 
     def timer(kind, n, context):
@@ -350,9 +350,13 @@ def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     picked = []
     pick = engine.executor.pick
     monkeypatch.setattr(engine.executor, "pick", lambda meta: picked.append(pick(meta).kind) or pick(meta))
+    rows = []
+    logits = engine.model.logits
+    monkeypatch.setattr(engine.model, "logits", lambda hidden: rows.append(hidden.shape[0]) or logits(hidden))
     time_step = engine_timer(engine, repeats=2)
     assert time_step("decode", 2, 10) > 0 and time_step("prefill", 8, 0) > 0 and time_step("decode", 4, 5) > 0
     assert picked == ["full", "piecewise", "piecewise"]  # 4 decode rows: above the full sizes (1, 2)
+    assert rows == [2] * 3 + [1] * 3 + [4] * 3  # the LM head on the rows each step samples, warm call included
     assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1
 
 
