@@ -9,14 +9,13 @@ for ~150 GiB, more than an H200 has, and the engine used to die allocating it.
 
 from __future__ import annotations
 
-import logging
+import gc
 from dataclasses import dataclass
 
 import torch
 
 from piecegraph.attention.pages import pages_for
 
-log = logging.getLogger("piecegraph")
 GIB = 2**30
 
 
@@ -69,8 +68,10 @@ def kv_budget(*, max_num_seqs: int, max_seq_len: int, page_size: int, page_bytes
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Bytes free on a CUDA device now: the driver's free memory plus what torch's caching allocator holds
-    unused; ``None`` elsewhere (no limit applied)."""
+    unused, after a garbage collection (an engine dropped in a reference cycle, serve-bench's previous mode,
+    must not hold its cache against the next one); ``None`` elsewhere (no limit applied)."""
     if device.type != "cuda":
         return None
+    gc.collect()
     held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return torch.cuda.mem_get_info(device)[0] + held
