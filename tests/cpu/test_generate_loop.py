@@ -1,6 +1,7 @@
 """The one greedy loop (models.generate.greedy_loop) behind piecegraph.models.generate and piecegraph.hf: EOS stops
 a sequence (kept, as Hugging Face keeps it), the decode batch shrinks as sequences finish (one step late: the loop
-launches a step before reading the last one's tokens), and their pages are freed at once. The reference is the same model decoded one prompt at a time without EOS, cut at the first EOS."""
+launches a step before reading the last one's tokens), and their pages are freed at once. The reference is the
+same model decoded one prompt at a time without EOS, cut at the first EOS."""
 
 from __future__ import annotations
 
