@@ -6,8 +6,10 @@ and torch's cache counters (AOTAutograd's and Inductor's FX graph cache hits and
 
     python scripts/start_once.py CACHE_DIR [PROFILE_OUT]
 
-PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu make a dry run. PROFILE_OUT: cProfile's stats of the
-setup (model built to ready) written there, and its top functions by cumulative time printed to stderr.
+PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu make a dry run; PIECEGRAPH_START_LAYERS=N cuts the
+model to N layers; PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces (Config.full_compile).
+PROFILE_OUT: cProfile's stats of the setup (model built to ready) written there, and its top functions by cumulative
+time printed to stderr.
 """
 
 import time
@@ -29,6 +31,10 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
     from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder, dummy_inputs
 
     shape = TINY if os.environ.get("PIECEGRAPH_START_MODEL") == "tiny" else QWEN2_5_0_5B
+    if os.environ.get("PIECEGRAPH_START_LAYERS"):
+        import dataclasses
+
+        shape = dataclasses.replace(shape, num_layers=int(os.environ["PIECEGRAPH_START_LAYERS"]))
     cuda = os.environ.get("PIECEGRAPH_START_DEVICE", "cuda") == "cuda"
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     backend = "torch" if flashinfer_available(torch.device(device)) else "flashinfer"
@@ -46,7 +52,9 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
     pool = piecegraph.GraphPool()
     common = dict(pool=pool, cache_dir=cache_dir, emulate_graphs=not cuda)
     prefill = piecegraph.compile(model, mode="piecewise", max_tokens=512, **common)
-    decode = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4, 8, 16, 32, 64), **common)
+    full_compile = os.environ.get("PIECEGRAPH_START_FULL_COMPILE", "whole")
+    decode = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4, 8, 16, 32, 64), full_compile=full_compile,
+                                **common)
     for module in (prefill, decode):
         module.capture(lambda n: dummy_inputs(model, cache, n))
     sync()
