@@ -82,7 +82,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *, cache: KVCache | None = None,
                  progress: Progress | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
-        self.kv_budget: KVBudget | None = None  # how a default cache was sized (serve/kv_budget.py)
+        self.cache_budget: KVBudget | None = None  # how a default cache was sized (serve/kv_budget.py)
         self.cache = cache or self._build_cache()
         self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.executor = Executor(model, self.config)
@@ -106,7 +106,7 @@ class Engine:
                                       cfg.page_size, param.dtype),
                 fraction=cfg.kv_cache_memory, free_bytes=free_device_bytes(param.device))
             (log.warning if budget.trimmed else log.info)(budget.describe())
-            pages, self.kv_budget = budget.pages, budget
+            pages, self.cache_budget = budget.pages, budget
         return KVCache(model_cfg, pages, cfg.page_size, dtype=param.dtype, device=param.device, max_seq_len=max_len,
                        backend=cfg.attention_backend)
 
@@ -273,6 +273,6 @@ class Engine:
     def capture_report(self) -> dict[str, Any]:
         """What start captured: per module its sizes and seconds, the pool's MiB, and the whole setup seconds."""
         kv = {"pages": self.cache.num_pages, "trimmed_from": None}
-        if self.kv_budget is not None and self.kv_budget.trimmed:
-            kv["trimmed_from"] = self.kv_budget.wanted
+        if self.cache_budget is not None and self.cache_budget.trimmed:
+            kv["trimmed_from"] = self.cache_budget.wanted
         return {**self.executor.report(), "setup_s": round(self.setup_s, 3), "kv_cache": kv}

@@ -44,7 +44,7 @@ class KVBudget:
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
     """Bytes of one page over every layer, keys and values."""
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def kv_budget(*, max_num_seqs: int, max_seq_len: int, page_size: int, page_bytes: int, fraction: float,

@@ -266,15 +266,10 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
         compiled, statics, static_s = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, sym,
                                                       static_sizes)
-        pieces = []
-        for info in infos:
-            if info.name in compiled:
-                piece = GraphedPiece(info.name, compiled[info.name], state, statics.get(info.name), measure)
-                split_gm.__dict__[info.name] = piece  # the generated forward looks submodules up by attribute
-                pieces.append(piece)
-            elif info.is_split:  # runs eagerly every step, per layer: its forward, without nn.Module's call path
-                split_gm.__dict__[info.name] = _plain_forward(getattr(split_gm, info.name))
-        call = _plain_forward(split_gm)  # not split_gm(...): nn.Module's call machinery costs every replay
+        graphed = {info.name: GraphedPiece(info.name, compiled[info.name], state, statics.get(info.name), measure)
+                   for info in infos if info.name in compiled}
+        call = _bind_pieces(split_gm, infos, graphed)
+        pieces = list(graphed.values())
     if static_s:
         log.info("piecegraph: static compiles for sizes %s took %.1f s", static_sizes, static_s)
     return Program(
@@ -300,12 +295,19 @@ def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mod
     one :class:`GraphedPiece` of ``mode="full"`` captures, split ops included. Same inputs and outputs as ``gm``."""
     split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
     compiled, _, _ = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, token_symbols, ())
+    return _bind_pieces(split_gm, infos, compiled)
+
+
+def _bind_pieces(split_gm: torch.fx.GraphModule, infos: list[PieceInfo], pieces: dict[str, Callable[..., Any]]
+                 ) -> Callable[..., Any]:
+    """``split_gm``'s forward, bound, with ``pieces`` (name -> what runs it) in place of their submodules and each
+    split op's submodule as its plain forward."""
     for info in infos:
-        if info.name in compiled:
-            split_gm.__dict__[info.name] = compiled[info.name]
-        elif info.is_split:
+        if info.name in pieces:
+            split_gm.__dict__[info.name] = pieces[info.name]  # the generated forward looks submodules up by attribute
+        elif info.is_split:  # runs eagerly every step, per layer: its forward, without nn.Module's call path
             split_gm.__dict__[info.name] = _plain_forward(getattr(split_gm, info.name))
-    return _plain_forward(split_gm)
+    return _plain_forward(split_gm)  # not split_gm(...): nn.Module's call machinery costs every replay
 
 
 def _plain_forward(sub: torch.fx.GraphModule) -> Callable[..., Any]:

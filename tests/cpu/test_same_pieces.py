@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,7 +134,5 @@ def test_a_full_graph_compiled_by_pieces_compiles_each_distinct_layer_once_and_e
 
 
 def test_full_compile_is_refused_unless_whole_or_pieces():
-    import pytest
-
     with pytest.raises(ValueError, match=r"full_compile='layers' is not one of \('whole', 'pieces'\)"):
         piecegraph.Config(full_compile="layers")
