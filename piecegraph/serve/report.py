@@ -20,12 +20,15 @@ _COLUMNS = (
 
 def table(results: Sequence[dict[str, Any]], title: str) -> Table:
     """One row per mode and concurrency (ms for latencies); failed modes show their error. With a GPU-bound
-    estimate (auto on CUDA), its rows and each row's share of it."""
+    estimate (auto on CUDA), its rows and each row's share of it; the estimate's rows show its decode step (graph
+    replay, LM head and argmax, back to back) under ITL p50: the ITL an engine with no host time left would see."""
     bounds = gpu_bounds(results)
+    steps = {e["concurrency"]: e.get("decode_step_ms") for result in results for e in result.get("gpu_bound", ())}
     out = Table(title=title)
     for header, _, _ in _COLUMNS:
         out.add_column(header, justify="left" if header == "mode" else "right")
     out.add_column("of GPU bound", justify="right")
+    itl_p50 = [key for _, key, _ in _COLUMNS].index("itl_p50_ms")
     blank = ["-"] * (len(_COLUMNS) - 5)  # the estimate's row: mode, conc, reqs, req/s, out tok/s, then these
     for result in results:
         if result.get("error"):
@@ -39,7 +42,9 @@ def table(results: Sequence[dict[str, Any]], title: str) -> Table:
             out.add_row(f"{result['mode']}: decode-only full-graph loop", "1", "-", *["-"] * 6,
                         *(_fmt("{:.2f}", ref[k]) for k in ("itl_mean_ms", "itl_p50_ms", "itl_p99_ms")), "100%")
     for c, bound in sorted(bounds.items()):
-        out.add_row("GPU-bound estimate (graph steps back to back)", str(c), "-", "-", f"{bound:.0f}", *blank,
+        cells = list(blank)
+        cells[itl_p50 - 5] = _fmt("{:.2f}", steps.get(c))
+        out.add_row("GPU-bound estimate (graph steps back to back)", str(c), "-", "-", f"{bound:.0f}", *cells,
                     "100%")
     return out
 

@@ -411,3 +411,23 @@ def test_median_run_reports_the_run_with_the_median_throughput(speeds):
         assert row["repeats_output_tok_s"] == [round(v, 1) for v in speeds]
     else:
         assert "repeats_output_tok_s" not in row
+
+
+def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
+    """The estimate's row carries its decode step (ms) in the ITL p50 column, and each row its share of the
+    estimate's tok/s: the ITL target of issue 22 is read off one table."""
+    from rich.console import Console
+
+    from piecegraph.serve.report import table
+
+    row = {"mode": "auto", "concurrency": 1, "requests": 4, "request_throughput": 1.0, "output_tok_s": 500.0,
+           "itl_p50_ms": 1.6}
+    bound = {"concurrency": 1, "gpu_bound_output_tok_s": 625.0, "decode_step_ms": 1.53}
+    console = Console(width=400, record=True)
+    console.print(table([{"mode": "auto", "rows": [row], "gpu_bound": [bound]}], "t"))
+    lines = console.export_text().splitlines()
+    auto = next(line for line in lines if line.startswith("│ auto"))
+    estimate = next(line for line in lines if "GPU-bound estimate" in line)
+    assert "80%" in auto and "1.60" in auto
+    cells = [c.strip() for c in estimate.split("│")]
+    assert cells[cells.index("625") + 6] == "1.53"  # out tok/s, then total, TTFT x3, ITL mean, ITL p50
