@@ -33,11 +33,14 @@ log = logging.getLogger("piecegraph.server")
 
 def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     """A TCP socket bound to ``(host, port)`` (not listening yet: uvicorn calls ``listen``); ``reuse_port`` lets
-    other front-end processes bind the same port. Raises ``OSError`` naming the address when it is taken."""
+    other front-end processes bind the same port. The connections it accepts send small writes at once (no Nagle). Raises ``OSError`` naming the address when it is taken."""
     if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("several API server processes need SO_REUSEPORT (Linux); use --api-servers 1 here")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP,
+    # and accepted sockets inherit it. With proto 0 a keep-alive connection's next response waited for the
+    # client's delayed ACK: its first token ~40 ms late on loopback.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

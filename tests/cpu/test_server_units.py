@@ -354,3 +354,29 @@ def test_http_stack_names_the_missing_c_parts(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     stack, hint = http_stack()
     assert stack == "asyncio + h11" and "uvloop and httptools" in hint
+
+
+def test_connections_the_server_accepts_send_without_nagle():
+    """The server's listening socket is TCP by protocol number, so asyncio turns Nagle off on every connection it
+    accepts. With the default protocol 0 it did not, and a keep-alive connection's next stream waited for the
+    client's delayed ACK (its first token ~40 ms late on loopback)."""
+    import socket
+
+    from piecegraph.server.frontends import listening_socket
+
+    async def accepted_nodelay() -> int:
+        sock = listening_socket("127.0.0.1", 0, reuse_port=False)
+        seen = asyncio.get_running_loop().create_future()
+
+        async def on_client(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_client, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        value = await asyncio.wait_for(seen, 10)
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
