@@ -17,7 +17,8 @@
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
 # (first JIT, cold, warm) and checks the graph memory estimate; "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
-# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto). "moe" (issue 23) benches
+# shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto); "api-profile" lists the CUDA
+# runtime calls that block an overlapped and a synchronous engine's host loop (scripts/cuda_api_profile.py). "moe" (issue 23) benches
 # the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
@@ -174,6 +175,11 @@ if has moe; then  # issue 23: the FP8 MoE preset (A2.7B shape) benched per mode,
       --json "$OUT/moe_${quant}_serve.json" 2>&1 | tee -a "$OUT/moe_serve.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
+fi
+if has api-profile; then  # issue 22: which CUDA runtime calls block the host, overlapped against synchronous
+  python3 scripts/cuda_api_profile.py "$OUT/cuda_api_profile.json" ${PROFILE_MODE:-auto} 2>&1 \
+    | tee "$OUT/cuda_api_profile.log" | tail -150
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has serve-profile; then  # where a serving step's host time goes (cProfile over the engine's steps)
   python3 scripts/profile_serve_step.py "$OUT/serve_profile.json" ${PROFILE_MODE:-auto} 2>&1 \
