@@ -60,15 +60,15 @@ def main(out: str, mode: str = "auto") -> None:
         engine = Engine(model, EngineConfig(mode=mode, max_num_seqs=256, max_num_batched_tokens=2048,
                                             max_seq_len=640, emulate_graphs=not cuda, overlap=overlap))
 
-        def submit(count: int, prompt: int, new: int) -> None:
+        def submit(engine: Engine, count: int, prompt: int = 512, new: int = 32) -> None:
             for _ in range(count):
                 engine.add_request(torch.randint(0, min(1000, shape.vocab_size), (prompt,), generator=gen).tolist(),
                                    SamplingParams(max_new_tokens=new))
 
-        submit(64, 512, 32)
+        submit(engine, 64)
         engine.run()  # warm-up: every path once
         engine.reset_stats()
-        submit(256, 512, 32)
+        submit(engine, 256)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             engine.run()

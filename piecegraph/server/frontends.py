@@ -33,7 +33,8 @@ log = logging.getLogger("piecegraph.server")
 
 def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     """A TCP socket bound to ``(host, port)`` (not listening yet: uvicorn calls ``listen``); ``reuse_port`` lets
-    other front-end processes bind the same port. The connections it accepts send small writes at once (no Nagle). Raises ``OSError`` naming the address when it is taken."""
+    other front-end processes bind the same port. The connections it accepts send small writes at once (no
+    Nagle). Raises ``OSError`` naming the address when it is taken."""
     if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("several API server processes need SO_REUSEPORT (Linux); use --api-servers 1 here")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
