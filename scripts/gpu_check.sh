@@ -23,7 +23,7 @@
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
 # fresh check; HTTP_NO_TOKENS=1: no token checks, throughput only; HTTP_SERVE_ARGS: more serve options, e.g. --cache;
-# HTTP_REFERENCE: the engine tokens' file). "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
+# HTTP_REFERENCE: the engine tokens' file; HTTP_NO_INPROCESS=1: no in-process reference run). "tp" (two GPUs) runs tests/gpu/test_tp_gpu.py and the bench at --tp 1 and 2 for the 0.5B and 7B shapes.
 # Wheels under .whl/ (FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs) are installed first, for machines
 # without network access.
 # PARTS may add "flashinfer-new": each .whl/flashinfer*.tar.xz (a newer FlashInfer wheel unpacked and packed
@@ -215,7 +215,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
     echo "http: fastapi/uvicorn are not importable (carry their wheels in .whl/)" | tee -a "$OUT/http_missing.log"
     status=1
   else
-    if [ ! -f "$OUT/http_inprocess.json" ] && [ -z "${HTTP_TOKENS_ONLY:-}" ]; then
+    if [ ! -f "$OUT/http_inprocess.json" ] && [ -z "${HTTP_TOKENS_ONLY:-}${HTTP_NO_INPROCESS:-}" ]; then
       python3 -m piecegraph.cli serve-bench --model "$HTTP_MODEL" --attention flashinfer --modes auto \
         --max-batched-tokens 2048 "${common[@]}" --json "$OUT/http_inprocess.json" 2>&1 | tee "$OUT/http_inprocess.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -171,8 +171,8 @@ SETTLE_S = 1.5  # front ends share their metrics with each other once a second: 
 
 def engine_counters(url: str) -> dict[str, dict[str, float]] | None:
     """The engine's counters from ``url``'s ``/metrics`` (a piecegraph server's: loop seconds by part, step
-    seconds by phase, steps by kind), or ``None`` when the server has none of them (vLLM, SGLang, no
-    ``/metrics``)."""
+    seconds by phase, steps by kind; empty while none has reached the front end that answered), or ``None`` when
+    the server is not piecegraph's (vLLM, SGLang, no ``/metrics``)."""
     from urllib.request import urlopen
 
     try:
@@ -188,14 +188,14 @@ def engine_counters(url: str) -> dict[str, dict[str, float]] | None:
         labels, _, value = rest.rpartition("} ")
         label = dict(part.split("=", 1) for part in labels.split(",")).get(ENGINE_SERIES[name], '""').strip('"')
         out.setdefault(name, {})[label] = float(value)
-    return out or None
+    return out if out or "\npiecegraph_" in f"\n{text}" else None
 
 
 def engine_share(before: dict | None, after: dict | None, seconds: float) -> dict[str, Any] | None:
     """What the server's engine did between two :func:`engine_counters` scrapes around a run of ``seconds``: its
     loop's seconds by part and their share of the run (idle is not shared out: the scrapes' waits are in it),
     mean host ms per step by phase, and steps; ``None`` without both scrapes."""
-    if not before or not after:
+    if not before or not after:  # not piecegraph's server, or no engine counters had arrived at a scrape
         return None
 
     def delta(name: str) -> dict[str, float]:
@@ -238,7 +238,7 @@ def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dic
         nonlocal counters
         row = {"mode": "http", **measure_url(url, model, workload.requests(counts[c], vocab, salt=c), c,
                                              token_ids=token_ids)}
-        before, counters = counters, _settled_counters(url) if counters else None
+        before, counters = counters, _settled_counters(url) if counters is not None else None
         share = engine_share(before, counters, row["duration_s"])
         if share:
             row["server_engine"] = share
@@ -257,7 +257,7 @@ def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dic
 
 def _settled_counters(url: str) -> dict | None:
     counters = engine_counters(url)
-    if counters:  # a piecegraph server: let every front end's share of the counters arrive first
+    if counters is not None:  # a piecegraph server: let every front end's share of the counters arrive first
         time.sleep(SETTLE_S)
         counters = engine_counters(url)
     return counters

@@ -380,3 +380,27 @@ def test_connections_the_server_accepts_send_without_nagle():
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+@pytest.mark.parametrize("text, want", [
+    ("# HELP vllm:num_requests_running x\nvllm:num_requests_running 3\n", None),  # not piecegraph's server
+    ("piecegraph_queue_depth 0\n", {}),  # piecegraph's, no engine counters at this front end yet
+    ('piecegraph_queue_depth 0\npiecegraph_engine_steps_total{kind="full"} 12\n'
+     'piecegraph_engine_loop_seconds_total{part="step"} 0.5\n',
+     {"piecegraph_engine_steps_total": {"full": 12.0}, "piecegraph_engine_loop_seconds_total": {"step": 0.5}}),
+])
+def test_engine_counters_tell_a_piecegraph_server_without_counters_from_another_server(monkeypatch, text, want):
+    """A piecegraph front end that has not yet heard the engine's counters answers ``{}``, not ``None``: the
+    benchmark settles and scrapes again instead of dropping the engine's shares for the whole run (the H200's
+    REPEATS=3 HTTP run of stop 36 lost them that way)."""
+    import io
+    import urllib.request
+
+    from piecegraph.serve import http_bench
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(text.encode()))
+    assert http_bench.engine_counters("http://x") == want
+    sleeps = []
+    monkeypatch.setattr(http_bench.time, "sleep", sleeps.append)
+    assert http_bench._settled_counters("http://x") == want
+    assert sleeps == ([] if want is None else [http_bench.SETTLE_S])
