@@ -202,6 +202,28 @@ def time_ms(fn: Callable[[int], Any], warmup: int = 3, repeats: int = 20) -> flo
     return statistics.median(times)
 
 
+def pipelined_ms(fn: Callable[[int], Any], warmup: int = 2, repeats: int = 20) -> float:
+    """Milliseconds per call of ``fn(i)`` called ``repeats`` times back to back, no sync in between (after
+    ``warmup`` calls): the pace of a loop that launches the next step while the device runs this one, that is
+    the slower of the host's work per call and the device's. On CUDA between two events (the device's wait for
+    a slow host is in it); on CPU wall time."""
+    for i in range(warmup):
+        fn(i)
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            fn(i)
+        return (time.perf_counter() - t0) * 1e3 / repeats
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(repeats):
+        fn(i)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def step_ms(module: Callable[..., Any], inputs: tuple[tuple[Any, ...], Any], repeats: int = 5) -> float:
     """Median milliseconds of ``module(*args)`` under ``meta``'s forward context, ``inputs = (args, meta)`` (what
     ``GraphedModule.capture``'s ``make_inputs(n)`` returns), by :func:`time_ms` after one warm call: a step's

@@ -431,3 +431,38 @@ def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
     assert "80%" in auto and "1.60" in auto
     cells = [c.strip() for c in estimate.split("│")]
     assert cells[cells.index("625") + 6] == "1.53"  # out tok/s, then total, TTFT x3, ITL mean, ITL p50
+
+
+def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlapped(model, monkeypatch):
+    """The overlapped engine's pace is the slower of host and device per step, so its decode choice times steps
+    launched back to back, each with fresh metadata (the attention plan is host work a step pays); the
+    synchronous engine times one step alone. Checked on the timer's arithmetic with a fake clock (each call
+    costs 3 ms of host time; warm-up calls are not counted) and on which timer each loop asks for."""
+    from piecegraph.graphs import capture
+    from piecegraph.serve import executor
+
+    clock = [0.0]
+    monkeypatch.setattr(capture.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        clock[0] += 0.003
+
+    assert capture.pipelined_ms(fn, warmup=2, repeats=5) == pytest.approx(3.0)
+    assert calls == [0, 1, 0, 1, 2, 3, 4]
+    monkeypatch.undo()
+
+    engine = Engine(model, _config("auto", num_pages=15))
+    built = []
+    dummy = executor.dummy_inputs
+    monkeypatch.setattr(executor, "dummy_inputs", lambda *a: built.append(a[-1]) or dummy(*a))
+    seen = {}
+    monkeypatch.setattr(executor, "pipelined_ms", lambda step, repeats: seen.setdefault("pipelined", step(0)) or 1.0)
+    monkeypatch.setattr(executor, "step_ms", lambda module, inputs, repeats: seen.setdefault("alone", 1) and 2.0)
+    decode = engine.executor.decode
+    assert executor.time_replays(decode.module, engine.model, engine.cache, 2) == 1.0
+    assert built == [2]  # each timed step builds its own inputs and metadata
+    assert executor.time_replays(decode.module, engine.model, engine.cache, 2, overlap=False) == 2.0
+    assert set(seen) == {"pipelined", "alone"}
+    assert engine.cache.num_free_pages == engine.cache.num_pages - 1
