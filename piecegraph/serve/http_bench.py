@@ -166,6 +166,10 @@ def measure_url(url: str, model: str, work: Sequence[tuple[list[int], int]], con
 
 ENGINE_SERIES = {"piecegraph_engine_loop_seconds_total": "part", "piecegraph_engine_step_phase_seconds_total": "phase",
                  "piecegraph_engine_steps_total": "kind"}
+# Unlabelled sums behind the TTFT split: the front ends' (arrival at the server to the first token sent) and the
+# engine's own (request taken to its first token on the host)
+TTFT_SERIES = ("piecegraph_time_to_first_token_seconds_sum", "piecegraph_time_to_first_token_seconds_count",
+               "piecegraph_engine_time_to_first_token_seconds_total", "piecegraph_engine_first_tokens_total")
 SETTLE_S = 1.5  # front ends share their metrics with each other once a second: a scrape after this sees all
 
 
@@ -184,6 +188,9 @@ def engine_counters(url: str) -> dict[str, dict[str, float]] | None:
     for line in text.splitlines():
         name, _, rest = line.partition("{")
         if name not in ENGINE_SERIES or "}" not in rest:
+            plain, _, value = line.partition(" ")
+            if plain in TTFT_SERIES:
+                out.setdefault("ttft", {})[plain] = float(value)
             continue
         labels, _, value = rest.rpartition("} ")
         label = dict(part.split("=", 1) for part in labels.split(",")).get(ENGINE_SERIES[name], '""').strip('"')
@@ -194,7 +201,8 @@ def engine_counters(url: str) -> dict[str, dict[str, float]] | None:
 def engine_share(before: dict | None, after: dict | None, seconds: float) -> dict[str, Any] | None:
     """What the server's engine did between two :func:`engine_counters` scrapes around a run of ``seconds``: its
     loop's seconds by part and their share of the run (idle is not shared out: the scrapes' waits are in it),
-    mean host ms per step by phase, and steps; ``None`` without both scrapes."""
+    mean host ms per step by phase, steps, and (``ttft_mean_ms``) the mean TTFT at the server (arrival to first
+    token sent) beside the engine's own part of it; ``None`` without both scrapes."""
     if not before or not after:  # not piecegraph's server, or no engine counters had arrived at a scrape
         return None
 
@@ -205,9 +213,15 @@ def engine_share(before: dict | None, after: dict | None, seconds: float) -> dic
     loop, phases = delta("piecegraph_engine_loop_seconds_total"), delta("piecegraph_engine_step_phase_seconds_total")
     steps = sum(delta("piecegraph_engine_steps_total").values())
     busy = {k: v for k, v in loop.items() if k != "idle"}
-    return {"steps": int(steps), "loop_s": {k: round(v, 4) for k, v in loop.items()},
-            "loop_share": {k: round(v / seconds, 4) for k, v in busy.items()} if seconds > 0 else {},
-            "phase_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in phases.items()} if steps else {}}
+    out = {"steps": int(steps), "loop_s": {k: round(v, 4) for k, v in loop.items()},
+           "loop_share": {k: round(v / seconds, 4) for k, v in busy.items()} if seconds > 0 else {},
+           "phase_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in phases.items()} if steps else {}}
+    ttft = delta("ttft")
+    server_n, engine_n = (ttft.get(k, 0.0) for k in (TTFT_SERIES[1], TTFT_SERIES[3]))
+    if server_n > 0 and engine_n > 0:  # mean ms: at the server (arrival to first token sent), in the engine
+        out["ttft_mean_ms"] = {"server": round(1e3 * ttft.get(TTFT_SERIES[0], 0.0) / server_n, 3),
+                               "engine": round(1e3 * ttft.get(TTFT_SERIES[2], 0.0) / engine_n, 3)}
+    return out
 
 
 def describe_share(share: dict[str, Any] | None) -> str:
@@ -216,7 +230,9 @@ def describe_share(share: dict[str, Any] | None) -> str:
         return ""
     parts = " · ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(share["loop_share"].items(), key=lambda kv: -kv[1]))
     phases = ", ".join(f"{k} {v:.2f}" for k, v in share["phase_ms_per_step"].items())
-    return f"engine loop busy: {parts} of the run; {share['steps']} steps, host ms per step: {phases}"
+    ttft = share.get("ttft_mean_ms")
+    split = f"; TTFT mean at the server {ttft['server']:.2f} ms, in the engine {ttft['engine']:.2f}" if ttft else ""
+    return f"engine loop busy: {parts} of the run; {share['steps']} steps, host ms per step: {phases}{split}"
 
 
 def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int], *, warmup: int = 2,

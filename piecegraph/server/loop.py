@@ -271,6 +271,7 @@ class EngineLoop:
                 continue
             if not sent and n:
                 self._started_ids += 1
+                self._first_token(request)
             rows.append((ticket, output[sent:n], reason))
             ticket.sent = n
             if reason is not None:
@@ -284,6 +285,14 @@ class EngineLoop:
                          ticket.sent)
         if rows:
             self._step_sink(rows, now)
+
+    def _first_token(self, request: Any) -> None:
+        """The engine's own share of a request's TTFT (taken to first token on the host), for ``/metrics``: what
+        HTTP adds is the front end's TTFT minus this."""
+        if self.metrics is not None and request.first_token is not None:
+            self.metrics.inc("piecegraph_engine_time_to_first_token_seconds_total",
+                             request.first_token - request.arrival)
+            self.metrics.inc("piecegraph_engine_first_tokens_total")
 
     def _as_events(self, rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
         self._send([(ticket, Event(ids, reason, at=at)) for ticket, ids, reason in rows])

@@ -30,6 +30,9 @@ SERIES = {
                                              "commands (new requests, aborts), idle (waiting for work)."),
     "piecegraph_engine_step_phase_seconds_total": ("counter", "Engine step host seconds by phase (schedule, "
                                                    "metadata, forward_launch, sample_sync)."),
+    "piecegraph_engine_time_to_first_token_seconds_total": ("counter", "Engine seconds from taking a request to "
+                                                            "its first token on the host, summed over requests."),
+    "piecegraph_engine_first_tokens_total": ("counter", "Requests whose first token the engine published."),
     "piecegraph_kv_pages_used": ("gauge", "KV-cache pages held by sequences."),
     "piecegraph_kv_pages_total": ("gauge", "KV-cache pages sequences can use (the scratch page excluded)."),
 }

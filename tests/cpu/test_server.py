@@ -272,6 +272,31 @@ def test_models_and_metrics(server):
     launched = sum(sum(s.phases[:3]) for s in steps)  # measured inside the loop's step() calls
     assert parts["step"] >= launched and parts["publish"] > 0 and parts["idle"] > 0, (parts, launched)
 
+def test_metrics_split_each_first_token_between_the_engine_and_the_server(server):
+    """Per first token the engine adds its own part of the TTFT (request taken to first token on the host), which
+    can only be part of the server's (arrival at the route to first token sent): ``serve-bench --url`` prints
+    both, so a TTFT gap between HTTP and the in-process engine is placed on the engine or around it."""
+    from piecegraph.serve.http_bench import engine_counters, engine_share
+
+    metrics = server.state.metrics
+
+    def sums():
+        hist = metrics.snapshot()["hists"]["piecegraph_time_to_first_token_seconds"]
+        return (metrics.value("piecegraph_engine_time_to_first_token_seconds_total"),
+                metrics.value("piecegraph_engine_first_tokens_total"), hist[1], hist[2])
+
+    scraped, before = engine_counters(server.url), sums()
+    for i in range(3):
+        _completion(server.url, f"ttft split {i}", stream=True)
+    after, now = engine_counters(server.url), sums()
+    engine_s, firsts, server_s, served = (a - b for a, b in zip(now, before))
+    assert firsts == served == 3
+    assert 0 < engine_s <= server_s
+    split = engine_share(scraped, after, 1.0)["ttft_mean_ms"]
+    assert split["engine"] == pytest.approx(1e3 * engine_s / 3, rel=1e-3, abs=1e-3)
+    assert split["server"] == pytest.approx(1e3 * server_s / 3, rel=1e-3, abs=1e-3)
+
+
 def test_full_queue_gets_429_with_retry_after(small):
     body = {"model": "tiny", "prompt": "hold", "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.Client(base_url=small.url, timeout=30) as a, httpx.Client(base_url=small.url, timeout=30) as b:
