@@ -188,4 +188,4 @@ def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, overla
         with forward_context(meta):
             module(*args)
 
-    return pipelined_ms(step, repeats=4 * repeats)
+    return pipelined_ms(step, repeats=2 * repeats)
