@@ -52,6 +52,8 @@ if [ ${#wheels[@]} -gt 0 ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>/tmp/pg-install.log 2>&1 || export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+# the host too: machines lent differ in host speed by ~1.6x (stop 36), and the HTTP part's processes share its cores
+{ lscpu; nproc; } >"$OUT/cpu.txt" 2>&1 || true
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 status=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
