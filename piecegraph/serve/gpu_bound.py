@@ -16,6 +16,7 @@ import torch
 
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
+from piecegraph.graphs.capture import pipelined_ms
 
 StepTimer = Callable[[str, int, int], float]  # (kind "decode" | "prefill", rows or tokens, context) -> ms
 
@@ -40,9 +41,10 @@ def estimate(work: Sequence[tuple[Sequence[int], int]], concurrency: int, timer:
 def engine_timer(engine: Any, repeats: int = 8) -> StepTimer:
     """A :data:`StepTimer` on ``engine``'s modules and cache (idle engine: its pages are free): the module a
     step of that shape would replay (``executor.pick``) and the LM head with argmax on the rows it samples (one per
-    sequence: every row of a decode step), called ``repeats`` times back to back under one pair of CUDA events,
-    after one warm call. The sequences it makes are freed again. (Before stop 35 the LM head was left out: a
-    0.5B-shaped step at batch 1 reads its 272 MB too, ~60 us on an H200.)"""
+    sequence: every row of a decode step), called ``repeats`` times back to back after one warm call
+    (:func:`~piecegraph.graphs.capture.pipelined_ms`: one pair of CUDA events). The sequences it makes are freed
+    again. (Before stop 35 the LM head was left out: a 0.5B-shaped step at batch 1 reads its 272 MB too, ~60 us
+    on an H200.)"""
     cache = engine.cache
 
     def timer(kind: str, n: int, context: int) -> float:
@@ -59,19 +61,12 @@ def engine_timer(engine: Any, repeats: int = 8) -> StepTimer:
             # The rows a step samples (each sequence's last token): their LM head and argmax are GPU work too
             ends = torch.tensor([q for _, _, q in seqs], device=cache.device).cumsum(0) - 1
 
-            def step() -> None:
+            def step(_: int) -> None:
                 with forward_context(meta):
                     hidden = module(ids, meta.positions)
                 engine.model.logits(hidden[ends]).argmax(-1)
 
-            step()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                step()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / repeats
+            return pipelined_ms(step, warmup=1, repeats=repeats)
         finally:
             for seq, _, _ in seqs:
                 if cache.capacity(seq):

@@ -217,10 +217,10 @@ def engine_share(before: dict | None, after: dict | None, seconds: float) -> dic
            "loop_share": {k: round(v / seconds, 4) for k, v in busy.items()} if seconds > 0 else {},
            "phase_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in phases.items()} if steps else {}}
     ttft = delta("ttft")
-    server_n, engine_n = (ttft.get(k, 0.0) for k in (TTFT_SERIES[1], TTFT_SERIES[3]))
+    server_s, server_n, engine_s, engine_n = (ttft.get(k, 0.0) for k in TTFT_SERIES)
     if server_n > 0 and engine_n > 0:  # mean ms: at the server (arrival to first token sent), in the engine
-        out["ttft_mean_ms"] = {"server": round(1e3 * ttft.get(TTFT_SERIES[0], 0.0) / server_n, 3),
-                               "engine": round(1e3 * ttft.get(TTFT_SERIES[2], 0.0) / engine_n, 3)}
+        out["ttft_mean_ms"] = {"server": round(1e3 * server_s / server_n, 3),
+                               "engine": round(1e3 * engine_s / engine_n, 3)}
     return out
 
 

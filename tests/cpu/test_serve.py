@@ -320,8 +320,9 @@ def test_demo_engine_on_cpu():
 
 def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     """The estimate's arithmetic on a known timer (one request alone: P prompt tokens at the prefill rate, then
-    O - 1 decode steps), and its engine timer's bookkeeping on CPU with stand-in CUDA events: it times the
-    module the engine would pick and the LM head on the rows that step samples, and frees every page it took."""
+    O - 1 decode steps), and its engine timer's bookkeeping on CPU (wall time, pipelined_ms's CPU branch): it
+    times the module the engine would pick and the LM head on the rows that step samples, and frees every page
+    it took."""
     from piecegraph.serve.gpu_bound import engine_timer, estimate
 
     def timer(kind, n, context):
@@ -331,21 +332,6 @@ def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     assert got["gpu_bound_output_tok_s"] == pytest.approx(9 / ((30 * 0.5 + 8 * 2.0) / 1e3))
     assert estimate([([1] * 30, 9)] * 4, 2, timer, 16)["decode_rows"] == 2
 
-    class Event:  # CUDA events stand-in: elapsed is wall time between records
-        def __init__(self, **kwargs):
-            self.t = None
-
-        def record(self):
-            import time
-            self.t = time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return 1e3 * (end.t - self.t)
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
     engine = Engine(model, _config("auto", num_pages=15))
     picked = []
     pick = engine.executor.pick
