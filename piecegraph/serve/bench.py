@@ -21,6 +21,7 @@ import torch
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.serve.engine import Engine
+from piecegraph.serve.gc_pauses import GcPauses
 from piecegraph.serve.request import Request, SamplingParams
 
 
@@ -113,22 +114,28 @@ def metrics(requests: Sequence[Request], seconds: float) -> dict[str, Any]:
 
 def median_run(run: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
     """``run()`` ``repeats`` times; the row of the run with the median output tok/s (the upper one of an even
-    count), with every run's output tok/s in ``repeats_output_tok_s`` when there was more than one. One machine's
+    count), with every run's output tok/s in ``repeats_output_tok_s`` when there was more than one, and (where the
+    rows have them) every run's ms per step by kind and GC pause ms, to tell a slow run's cause. One machine's
     runs of the same loop vary by 10-20% on a GPU host (stop 32), more than many differences worth measuring."""
     rows = [run() for _ in range(max(1, repeats))]
     if len(rows) == 1:
         return rows[0]
     ranked = sorted(rows, key=lambda row: row["output_tok_s"])
-    return {**ranked[len(ranked) // 2], "repeats_output_tok_s": [round(row["output_tok_s"], 1) for row in rows]}
+    every = {f"repeats_{key}": [row[key] for row in rows] for key in ("ms_per_step", "gc_pause_ms")
+             if all(key in row for row in rows)}
+    return {**ranked[len(ranked) // 2], "repeats_output_tok_s": [round(row["output_tok_s"], 1) for row in rows],
+            **every}
 
 
 def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
-    """One concurrency: the closed loop, its metrics and the engine's step summary (graph share, padding)."""
+    """One concurrency: the closed loop, its metrics, the engine's step summary (graph share, padding) and the
+    garbage collector's pauses during the loop (:class:`~piecegraph.serve.gc_pauses.GcPauses`)."""
     engine.reset_stats()
     _sync(engine)
-    start = time.perf_counter()
-    done = closed_loop(engine, work, concurrency)
-    seconds = time.perf_counter() - start
+    with GcPauses() as pauses:
+        start = time.perf_counter()
+        done = closed_loop(engine, work, concurrency)
+        seconds = time.perf_counter() - start
     if len(done) != len(work) or engine.cache.num_free_pages != engine.cache.num_pages - 1:
         raise RuntimeError(f"the engine finished {len(done)} of {len(work)} requests and holds "
                            f"{engine.cache.num_pages - 1 - engine.cache.num_free_pages} pages after the run")
@@ -138,7 +145,7 @@ def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: 
             "steps_by_kind": steps["by_kind"], "ms_per_step": steps["ms_per_step"], "phase_ms": steps["phase_ms"],
             "plan_us": steps["plan_us"], "plans_per_step": steps["plans_per_step"],
             "max_plans_per_step": steps["max_plans_per_step"], "preemptions": steps["preemptions"],
-            "overlap": engine.config.overlap}
+            "overlap": engine.config.overlap, **pauses.summary()}
 
 
 @torch.no_grad()  # not inference_mode: graphs and buffers made here are used outside it later

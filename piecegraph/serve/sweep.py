@@ -81,7 +81,8 @@ def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str],
         result["rows"].append({"mode": mode, **row})
         log(f"{mode} c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} "
             f"output tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms, "
-            f"graphs {row['graph_share']:.0%} of {row['steps']} steps")
+            f"graphs {row['graph_share']:.0%} of {row['steps']} steps, GC pauses {row['gc_pause_ms']:.0f} ms "
+            f"({row['gc_full']} full)")
     if plan.reference and engine.executor.decode is not None and not mode.endswith(SYNC_SUFFIX):
         ref = decode_reference(engine, plan.workload.input_len, min(plan.workload.output_len, 128))
         result["decode_reference"] = ref

@@ -284,6 +284,7 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
     for row in (r for m in data["modes"] for r in m["rows"]):  # three runs each, the median one reported
         runs = row["repeats_output_tok_s"]
         assert len(runs) == 3 and round(row["output_tok_s"], 1) == sorted(runs)[1], row
+        assert row["gc_pause_ms"] >= 0 and row["gc_full"] >= 0 and len(row["repeats_gc_pause_ms"]) == 3
     assert set(modes) == {"eager", "auto", "auto-sync"} and png.stat().st_size > 0
     assert [m["rows"][0]["overlap"] for m in data["modes"]] == [True, True, False]
     assert "decode_reference" not in modes["auto-sync"]  # the same loop as auto's: timed once
@@ -293,7 +294,7 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
         assert all(r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 for r in m["rows"])
     assert all(r["graph_share"] == 1.0 for r in modes["auto"]["rows"] + modes["auto-sync"]["rows"])
     assert all(r["max_plans_per_step"] == 1 and r["plan_us"] for r in modes["auto"]["rows"])  # torch: 1 plan/step
-    assert "plan us" in result.output and "decode replays" in result.output
+    assert "plan us" in result.output and "decode replays" in result.output and "GC pauses" in result.output
     assert all(r["graph_share"] == 0.0 for r in modes["eager"]["rows"])
     assert modes["auto"]["decode_reference"]["itl_p50_ms"] > 0
     assert modes["auto"]["capture"]["modules"]["full"]["sizes"][-1] == 3
@@ -388,15 +389,36 @@ def test_median_run_reports_the_run_with_the_median_throughput(speeds):
 
     def run():
         seen.append(next(calls))
-        return {"output_tok_s": seen[-1], "run": len(seen) - 1}
+        return {"output_tok_s": seen[-1], "run": len(seen) - 1, "ms_per_step": {"full": 1e3 / seen[-1]},
+                "gc_pause_ms": float(len(seen))}
 
     row = median_run(run, len(speeds))
     assert seen == speeds
     assert row["output_tok_s"] == sorted(speeds)[len(speeds) // 2] and speeds[row["run"]] == row["output_tok_s"]
     if len(speeds) > 1:
         assert row["repeats_output_tok_s"] == [round(v, 1) for v in speeds]
+        assert row["repeats_ms_per_step"] == [{"full": 1e3 / v} for v in speeds]  # each run's own, in run order
+        assert row["repeats_gc_pause_ms"] == [float(i + 1) for i in range(len(speeds))]
     else:
-        assert "repeats_output_tok_s" not in row
+        assert "repeats_output_tok_s" not in row and "repeats_ms_per_step" not in row
+
+
+def test_gc_pauses_counts_the_collections_made_while_active():
+    """A full collection forced inside the block is counted (with its time); one outside is not; the callback is
+    gone afterwards."""
+    import gc
+
+    from piecegraph.serve.gc_pauses import GcPauses
+
+    before = len(gc.callbacks)
+    with GcPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    summary = pauses.summary()
+    assert pauses.count[2] == 1 and pauses.count[0] >= 1 and summary["gc_full"] == 1
+    assert 0 < summary["gc_full_max_ms"] <= summary["gc_pause_ms"]
+    assert len(gc.callbacks) == before
 
 
 def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
