@@ -10,7 +10,7 @@
 # "hf-latency" (issue 22) times greedy decoding at batch 1 end to end through piecegraph.hf (FlashInfer and torch
 # attention) beside transformers' static cache + compile (scripts/hf_greedy_latency.py), then one decode step at
 # batch 1 and 10: piecegraph.hf full against piecewise, the reference decoder's full-compiled (and with static
-# compiles per size, full-static; compiled by pieces, full-pieces) against baked-graph.
+# compiles per size, full-static; compiled by pieces, full-pieces) against baked-graph (HF_REF_MODES picks).
 # "static-bench" times piecewise with and without static compiles per size (compile_sizes="auto") beside
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
@@ -129,7 +129,7 @@ if has hf-latency; then  # issue 22: batch-1 latency, end to end through piecegr
     --modes full,piecewise --batches 1,10 --prefill '' --json "$OUT/hf_batch1_bench.json" 2>&1 | tee -a "$OUT/hf_latency.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   python3 -m piecegraph.cli bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
-    --modes full-compiled,full-static,full-pieces,baked-graph --batches 1,10 --prefill '' --json "$OUT/ref_batch1_bench.json" 2>&1 \
+    --modes "${HF_REF_MODES:-full-compiled,full-static,full-pieces,baked-graph}" --batches 1,10 --prefill '' --json "$OUT/ref_batch1_bench.json" 2>&1 \
     | tee -a "$OUT/hf_latency.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

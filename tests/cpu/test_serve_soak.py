@@ -40,9 +40,14 @@ def pool(model):
     """The prompt pool and each prompt's ``MAX_NEW`` greedy tokens alone (eager, its own cache). Greedy decoding
     is a prefix process, so the reference for ``n`` tokens and an EOS is this run cut at ``n`` and after the first
     EOS; :func:`test_the_cut_reference_is_generate_with_eos` checks that against ``generate(eos_token_id=...)``."""
+    return prompt_pool(lambda prompt: generate(model, [prompt], MAX_NEW)[0])
+
+
+def prompt_pool(alone):
+    """``POOL`` seeded prompts and ``alone(prompt)``: its ``MAX_NEW`` greedy tokens run by itself."""
     rng = random.Random(1234)
     prompts = [[rng.randrange(TINY.vocab_size) for _ in range(rng.randint(1, LONGEST))] for _ in range(POOL)]
-    return prompts, [generate(model, [p], MAX_NEW)[0] for p in prompts]
+    return prompts, [alone(p) for p in prompts]
 
 
 def _want(full, n, eos):
@@ -57,11 +62,13 @@ def test_the_cut_reference_is_generate_with_eos(model, pool):
         assert generate(model, [prompts[i]], 9, eos_token_id=eos)[0] == _want(full[i], 9, eos)
 
 
-def _engine(model, overlap=True):
+def _engine(model, overlap=True, **changes):
+    """The soak's engine: ``mode="auto"`` with emulated graphs and the traced pieces as they are on the CPU;
+    ``changes`` replace config fields (the GPU soak: real graphs, Inductor)."""
     config = EngineConfig(mode="auto", overlap=overlap, max_num_seqs=6, max_num_batched_tokens=24, num_pages=NUM_PAGES,
                           page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN, decode_sizes=(1, 2, 4),
                           prefill_sizes=(1, 2, 4, 8, 16), compiler="eager", emulate_graphs=True)
-    return Engine(model, config)
+    return Engine(model, config.replace(**changes))
 
 
 def _invalid(rng):
@@ -139,7 +146,13 @@ def soak(engine, pool, n_requests, seed):
 @pytest.mark.parametrize(("overlap", "seed", "n_requests"), RUNS)
 def test_fault_soak(model, pool, overlap, seed, n_requests):
     engine = _engine(model, overlap)
-    submitted, aborted, finished = soak(engine, pool, n_requests, seed)
+    check_soak(engine, n_requests, *soak(engine, pool, n_requests, seed))
+
+
+def check_soak(engine, n_requests, submitted, aborted, finished):
+    """What a soak must leave (shared with the GPU soak, tests/gpu/test_serve_soak_gpu.py): every valid request
+    finished once with its greedy tokens alone (aborted ones a prefix) and the right reason, every page free,
+    empty queues, and steps of every kind (full, piecewise, none) with preemptions and mixed steps among them."""
     assert len(submitted) == n_requests and aborted, "the workload was meant to abort some requests"
     ids = [r.id for r in finished]
     assert len(ids) == len(set(ids)) and set(ids) | set(aborted) == set(submitted) and not set(ids) & set(aborted)
