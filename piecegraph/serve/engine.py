@@ -34,6 +34,7 @@ from piecegraph.models.generate import start_host_copy
 from piecegraph.program import describe
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
+from piecegraph.serve.gc_pauses import frozen_heap
 from piecegraph.serve.inputs import StepInputs, build_inputs
 from piecegraph.serve.kv_budget import KVBudget, free_device_bytes, kv_budget, page_bytes
 from piecegraph.serve.request import Request, SamplingParams, Status
@@ -241,13 +242,15 @@ class Engine:
                          phases=phases, plan_s=flight.plan_s, plans=flight.plans)
 
     def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
-        """Step until no request is left; returns the finished requests in finishing order."""
+        """Step until no request is left; returns the finished requests in finishing order. The heap that exists
+        when it starts is frozen while it runs (``EngineConfig.freeze_gc``)."""
         done: list[Request] = []
-        while self.has_work():
-            for request in self.step():
-                done.append(request)
-                if on_finish:
-                    on_finish(request)
+        with frozen_heap(self.config.freeze_gc):
+            while self.has_work():
+                for request in self.step():
+                    done.append(request)
+                    if on_finish:
+                        on_finish(request)
         return done
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None

@@ -2,8 +2,9 @@
 
 Modes run one after another in one process; each engine is dropped (and Dynamo reset) before the next, so
 each starts alike. A mode that fails to start or run is recorded with its error and the sweep goes on. A mode is
-an engine mode (overlapped steps, the engine's default) or ``auto-sync``: ``auto`` with the synchronous loop
-(``EngineConfig.overlap=False``), the baseline row of the overlapped engine.
+an engine mode (overlapped steps, the engine's default), ``auto-sync``: ``auto`` with the synchronous loop
+(``EngineConfig.overlap=False``), the baseline row of the overlapped engine, or ``auto-nofreeze``: ``auto`` with
+the collector left as it is (``EngineConfig.freeze_gc=False``), the baseline row of the frozen heap.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from piecegraph.serve.executor import Progress
 from piecegraph.serve.gpu_bound import engine_timer, estimate
 
 SYNC_SUFFIX = "-sync"
-BENCH_MODES = (*ENGINE_MODES, "auto" + SYNC_SUFFIX)
+VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-nofreeze": {"freeze_gc": False}}  # auto's baseline rows
+BENCH_MODES = (*ENGINE_MODES, *("auto" + suffix for suffix in VARIANTS))
 
 
 def engine_config(mode: str, base: EngineConfig) -> EngineConfig:
     """The engine config of a bench mode: ``base`` with its engine mode, and ``overlap=False`` for a ``-sync``
-    mode. Raises ``ValueError`` naming the known modes for any other name."""
+    mode, ``freeze_gc=False`` for a ``-nofreeze`` one. Raises ``ValueError`` naming the known modes for any other
+    name."""
     if mode not in BENCH_MODES:
         raise ValueError(f"serve-bench mode {mode!r} is not one of {BENCH_MODES}")
-    if mode.endswith(SYNC_SUFFIX):
-        return base.replace(mode=mode.removesuffix(SYNC_SUFFIX), overlap=False)
+    for suffix, changes in VARIANTS.items():
+        if mode.endswith(suffix):
+            return base.replace(mode=mode.removesuffix(suffix), **changes)
     return base.replace(mode=mode)
 
 

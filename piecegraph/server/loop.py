@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from piecegraph.serve.engine import Engine
+from piecegraph.serve.gc_pauses import frozen_heap
 from piecegraph.serve.request import Request, SamplingParams
 from piecegraph.serve.stats import PHASES
 
@@ -173,11 +174,18 @@ class EngineLoop:
     # -- engine thread ----------------------------------------------------------------------------------
     def run(self) -> None:
         """The loop itself, on the calling thread, until a ``stop`` command (:meth:`start` runs it on its own
-        thread; the engine process runs it on its main thread)."""
+        thread; the engine process runs it on its main thread). The heap that exists when it starts is frozen
+        while it runs (``EngineConfig.freeze_gc``)."""
         torch.set_num_threads(self._torch_threads)
         device = getattr(self.engine, "device", None)
         if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # the current device is per thread too
+        with frozen_heap(getattr(getattr(self.engine, "config", None), "freeze_gc", False)):
+            self._loop()
+        self._abort_all_at_stop()
+        self._stopped.set()
+
+    def _loop(self) -> None:
         clock = time.perf_counter
         while True:
             idle = not self.engine.has_work()
@@ -200,8 +208,6 @@ class EngineLoop:
             self._publish()
             self._spent("step", stepped - taken)
             self._spent("publish", clock() - stepped)
-        self._abort_all_at_stop()
-        self._stopped.set()
 
     def _spent(self, part: str, seconds: float) -> None:
         """Where the loop's wall time goes (``/metrics``, ``serve-bench --url``): which part of a step is on the

@@ -403,24 +403,6 @@ def test_median_run_reports_the_run_with_the_median_throughput(speeds):
         assert "repeats_output_tok_s" not in row and "repeats_ms_per_step" not in row
 
 
-def test_gc_pauses_counts_the_collections_made_while_active():
-    """A full collection forced inside the block is counted (with its time); one outside is not; the callback is
-    gone afterwards."""
-    import gc
-
-    from piecegraph.serve.gc_pauses import GcPauses
-
-    before = len(gc.callbacks)
-    with GcPauses() as pauses:
-        gc.collect()
-        gc.collect(0)
-    gc.collect()
-    summary = pauses.summary()
-    assert pauses.count[2] == 1 and pauses.count[0] >= 1 and summary["gc_full"] == 1
-    assert 0 < summary["gc_full_max_ms"] <= summary["gc_pause_ms"]
-    assert len(gc.callbacks) == before
-
-
 def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
     """The estimate's row carries its decode step (ms) in the ITL p50 column, and each row its share of the
     estimate's tok/s: the ITL target of issue 22 is read off one table."""
