@@ -29,7 +29,7 @@ DEFAULT_MODES = "eager,breakable,piecewise,auto,auto-sync"
 
 
 def _modes(text: str) -> list[str]:
-    from piecegraph.serve.sweep import BENCH_MODES as ENGINE_MODES  # engine modes, auto-sync, auto-nofreeze
+    from piecegraph.serve.sweep import BENCH_MODES as ENGINE_MODES  # engine modes and auto's variant rows
 
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in ENGINE_MODES]
@@ -77,7 +77,8 @@ def serve_bench(
     quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
                               "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto; "
-                              "auto-sync (the synchronous loop), auto-nofreeze (the collector left as it is)"),
+                              "auto-sync (the synchronous loop), auto-nofreeze (the collector left as it is), "
+                              "auto-pieces (the full module compiled by pieces)"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
                                  "(default: --rounds per client within --min-requests..--max-requests)"),

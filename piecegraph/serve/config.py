@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from piecegraph.config import FULL_COMPILE
+
 ENGINE_MODES = ("eager", "breakable", "piecewise", "auto")
 COMPILERS = ("inductor", "eager")
 
@@ -57,6 +59,12 @@ class EngineConfig:
             the heap that exists when they start and unfreeze it when they end (``serve/gc_pauses.py``), so
             Python's full collections walk only what serving made, not the compiler's hundreds of thousands of
             objects (150-420 ms pauses measured at c=1024 without). ``False``: the collector as it is.
+        full_compile: how auto's full (decode) module compiles its graph (``piecegraph.Config.full_compile``):
+            ``"whole"`` (default), one Inductor program of the whole decoder; ``"pieces"``, the pieces between
+            attention calls compiled as the piecewise module compiles them (identical layers once, the same
+            Inductor cache entries), then captured whole as before: a fraction of the compile time (the whole
+            program was 25-29 s of the 0.5B auto engine's 36 s start on the H200); its step time against
+            ``"whole"`` is serve-bench's ``auto-pieces`` row.
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
         graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate is over it are
@@ -84,6 +92,7 @@ class EngineConfig:
     attention_backend: str | None = None
     overlap: bool = True
     freeze_gc: bool = True
+    full_compile: str = "whole"
     cache_dir: Any = None
     graph_memory_limit: int | None = None
     auto_opaque: bool | None = None
@@ -112,6 +121,8 @@ class EngineConfig:
         for name in ("emulate_graphs", "overlap", "freeze_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
+        if self.full_compile not in FULL_COMPILE:
+            raise ValueError(f"EngineConfig.full_compile={self.full_compile!r} is not one of {FULL_COMPILE}")
         if not (self.auto_opaque is None or isinstance(self.auto_opaque, bool)):
             raise ValueError(f"EngineConfig.auto_opaque={self.auto_opaque!r} must be None, True or False")
         if self.graph_memory_limit is not None:

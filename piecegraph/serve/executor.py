@@ -86,8 +86,8 @@ class Executor:
         self.decode = None
         if mode == "auto":
             self.decode = Slot("full", piecegraph.compile(
-                model, mode="full", compiler=config.compiler, capture_sizes=config.full_sizes, **common),
-                config.full_sizes)
+                model, mode="full", compiler=config.compiler, capture_sizes=config.full_sizes,
+                full_compile=config.full_compile, **common), config.full_sizes)
 
     @property
     def slots(self) -> list[Slot]:

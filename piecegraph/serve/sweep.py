@@ -3,8 +3,9 @@
 Modes run one after another in one process; each engine is dropped (and Dynamo reset) before the next, so
 each starts alike. A mode that fails to start or run is recorded with its error and the sweep goes on. A mode is
 an engine mode (overlapped steps, the engine's default), ``auto-sync``: ``auto`` with the synchronous loop
-(``EngineConfig.overlap=False``), the baseline row of the overlapped engine, or ``auto-nofreeze``: ``auto`` with
-the collector left as it is (``EngineConfig.freeze_gc=False``), the baseline row of the frozen heap.
+(``EngineConfig.overlap=False``), the baseline row of the overlapped engine, ``auto-nofreeze``: ``auto`` with
+the collector left as it is (``EngineConfig.freeze_gc=False``), the baseline row of the frozen heap, or
+``auto-pieces``: ``auto`` with its full module compiled by pieces (``EngineConfig.full_compile="pieces"``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from piecegraph.serve.executor import Progress
 from piecegraph.serve.gpu_bound import engine_timer, estimate
 
 SYNC_SUFFIX = "-sync"
-VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-nofreeze": {"freeze_gc": False}}  # auto's baseline rows
+# auto's variant rows: the synchronous loop, the collector left alone, the full module compiled by pieces
+VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-nofreeze": {"freeze_gc": False}, "-pieces": {"full_compile": "pieces"}}
 BENCH_MODES = (*ENGINE_MODES, *("auto" + suffix for suffix in VARIANTS))
 
 
 def engine_config(mode: str, base: EngineConfig) -> EngineConfig:
-    """The engine config of a bench mode: ``base`` with its engine mode, and ``overlap=False`` for a ``-sync``
-    mode, ``freeze_gc=False`` for a ``-nofreeze`` one. Raises ``ValueError`` naming the known modes for any other
-    name."""
+    """The engine config of a bench mode: ``base`` with its engine mode and, for a variant row, its changes
+    (:data:`VARIANTS`). Raises ``ValueError`` naming the known modes for any other name."""
     if mode not in BENCH_MODES:
         raise ValueError(f"serve-bench mode {mode!r} is not one of {BENCH_MODES}")
     for suffix, changes in VARIANTS.items():

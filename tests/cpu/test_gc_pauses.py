@@ -88,3 +88,4 @@ def test_freeze_gc_is_checked_and_serve_bench_has_the_unfrozen_row():
     assert engine_config("auto-nofreeze", base) == base.replace(mode="auto", freeze_gc=False)
     assert engine_config("auto-sync", base) == base.replace(mode="auto", overlap=False)
     assert engine_config("piecewise", base).freeze_gc
+

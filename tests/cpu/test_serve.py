@@ -456,3 +456,19 @@ def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlap
     assert executor.time_replays(decode.module, engine.model, engine.cache, 2, overlap=False) == 2.0
     assert set(seen) == {"pipelined", "alone"}
     assert engine.cache.num_free_pages == engine.cache.num_pages - 1
+
+
+def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
+    """``EngineConfig.full_compile`` reaches auto's full (decode) module only (piecewise compiles by pieces
+    anyway); serve-bench's ``auto-pieces`` row sets it; other values are refused naming the field."""
+    model = Decoder.random(TINY, seed=1).eval()
+    config = EngineConfig(mode="auto", max_num_seqs=2, max_num_batched_tokens=16, max_seq_len=32, compiler="eager",
+                          emulate_graphs=True, decode_sizes=(1, 2), prefill_sizes=(4, 16), full_compile="pieces")
+    executor = Engine(model, config).executor
+    assert executor.decode.module.config.full_compile == "pieces"
+    assert executor.mixed.module.config.full_compile == "whole"
+    from piecegraph.serve.sweep import engine_config
+
+    assert engine_config("auto-pieces", EngineConfig()).full_compile == "pieces"
+    with pytest.raises(ValueError, match="EngineConfig.full_compile='layers'"):
+        EngineConfig(full_compile="layers")
