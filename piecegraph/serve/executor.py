@@ -27,7 +27,7 @@ import torch
 import piecegraph
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
-from piecegraph.graphs.capture import capture_batch, pipelined_ms, step_ms, timed_capture
+from piecegraph.graphs.capture import capture_batch, pipelined_ms, time_ms, timed_capture
 from piecegraph.models.generate import dummy_inputs
 from piecegraph.serve.config import EngineConfig
 
@@ -174,18 +174,20 @@ class Executor:
 def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, overlap: bool = True,
                  repeats: int = 5) -> float:
     """Milliseconds of one decode step of ``n`` pad rows through ``module`` (its graphs, already captured), on
-    dummy decode steps that touch the scratch page only. ``overlap`` (the engine's default loop): steps back to
-    back as the overlapped engine runs them, each with its own metadata and attention plan
-    (:func:`~piecegraph.graphs.capture.pipelined_ms`): the slower of host and device per step. A single step
-    timed alone (:func:`~piecegraph.graphs.capture.step_ms`, the synchronous loop) hid the piecewise module's
-    host work on a fast host: measured 1.65 ms against full's 1.73 at 16 rows, auto replayed it at c=10 and
-    served 2.7k tok/s where full graphs served 4.7k (H200, stop 36)."""
-    if not overlap:
-        return step_ms(module, dummy_inputs(model, cache, n), repeats)
+    dummy decode steps that touch the scratch page only, each step with its own metadata and attention plan,
+    timed as the engine's loop runs it. ``overlap`` (the default loop): steps back to back
+    (:func:`~piecegraph.graphs.capture.pipelined_ms`): the slower of host and device per step. ``overlap=False``
+    (the synchronous loop): each step alone, its host work, launches and device time in series
+    (:func:`~piecegraph.graphs.capture.time_ms`). A step timed on metadata built beforehand hid the host work:
+    measured 1.65 ms piecewise against full's 1.73 at 16 rows, auto replayed it at c=10 and served 2.7k tok/s where
+    full graphs served 4.7k (H200, stop 36); the synchronous auto replayed piecewise at every size of a c=1 run
+    (260 tok/s, stop 37)."""
 
     def step(_: int) -> None:
         args, meta = dummy_inputs(model, cache, n)
         with forward_context(meta):
             module(*args)
 
+    if not overlap:
+        return time_ms(step, warmup=1, repeats=repeats)
     return pipelined_ms(step, repeats=2 * repeats)

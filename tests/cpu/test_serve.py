@@ -426,8 +426,9 @@ def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
 def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlapped(model, monkeypatch):
     """The overlapped engine's pace is the slower of host and device per step, so its decode choice times steps
     launched back to back, each with fresh metadata (the attention plan is host work a step pays); the
-    synchronous engine times one step alone. Checked on the timer's arithmetic with a fake clock (each call
-    costs 3 ms of host time; warm-up calls are not counted) and on which timer each loop asks for."""
+    synchronous engine times each step alone, also with fresh metadata. Checked on the timer's arithmetic with a
+    fake clock (each call costs 3 ms of host time; warm-up calls are not counted) and on which timer each loop
+    asks for."""
     from piecegraph.graphs import capture
     from piecegraph.serve import executor
 
@@ -449,12 +450,12 @@ def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlap
     monkeypatch.setattr(executor, "dummy_inputs", lambda *a: built.append(a[-1]) or dummy(*a))
     seen = {}
     monkeypatch.setattr(executor, "pipelined_ms", lambda step, repeats: seen.setdefault("pipelined", step(0)) or 1.0)
-    monkeypatch.setattr(executor, "step_ms", lambda module, inputs, repeats: seen.setdefault("alone", 1) and 2.0)
+    monkeypatch.setattr(executor, "time_ms", lambda step, warmup, repeats: seen.setdefault("alone", step(0)) or 2.0)
     decode = engine.executor.decode
     assert executor.time_replays(decode.module, engine.model, engine.cache, 2) == 1.0
     assert built == [2]  # each timed step builds its own inputs and metadata
-    assert executor.time_replays(decode.module, engine.model, engine.cache, 2, overlap=False) == 2.0
-    assert set(seen) == {"pipelined", "alone"}
+    assert executor.time_replays(decode.module, engine.model, engine.cache, 4, overlap=False) == 2.0
+    assert built == [2, 4] and set(seen) == {"pipelined", "alone"}
     assert engine.cache.num_free_pages == engine.cache.num_pages - 1
 
 
