@@ -279,3 +279,34 @@ def _same_constant(value: Any, traced: tuple[Any, Any]) -> bool:
         return bool(value == copied)
     except Exception:  # noqa: BLE001  (== that raises or returns a tensor: not provably the same)
         return False
+
+
+def capture_inputs(make_inputs: Callable[[int], Any], n: int) -> tuple[tuple[Any, ...], Any]:
+    """``make_inputs(n)`` as ``(args, context)``, refused naming what it returned when it is not that shape."""
+    got = make_inputs(n)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise TypeError(
+            f"make_inputs({n}) returned {describe(got)}; it must return (args, context): a tuple of the forward's "
+            f"arguments for {n} tokens and the forward context (None for none), e.g. ((input_ids, positions), meta)"
+        )
+    args, meta = got
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            f"make_inputs({n}) returned args {describe(args)}; args must be a tuple (or list) of the forward's "
+            "arguments, e.g. return ((x,), None) for a forward that takes one tensor"
+        )
+    return tuple(args), meta
+
+
+def check_capture_tokens(values: dict[str, Any], n: int, config: Any) -> None:
+    """The first token argument of ``make_inputs(n)``'s args has ``n`` rows (another count would capture, and
+    report, another size)."""
+    td = config.token_dim
+    static = tuple(name for name in config.static_inputs if name in values)
+    tokens = token_arguments(values, td, static)
+    first = next((k for k in values if k in tokens), None)
+    if first is not None and values[first].shape[td] != n:
+        raise ValueError(
+            f"make_inputs({n}) returned {first} as {describe(values[first])}: its dim token_dim={td} is "
+            f"{values[first].shape[td]}, not {n}. make_inputs(n) must return the arguments of n tokens"
+        )

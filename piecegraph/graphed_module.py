@@ -18,8 +18,25 @@ import torch
 from .adapters.jit_clock import jit_builds
 from .adapters.jit_clock import summarize as jit_summary
 from .auto import piecewise_config, setup_auto
-from .binding import Binding, arguments_by_name, positional_names, scratch_arguments, static_suspect
-from .build import Startup, TimedAdvisor, breakable_model, load_trace, static_from_mismatch, trace_model, trace_snapshot
+from .binding import (
+    Binding,
+    arguments_by_name,
+    capture_inputs,
+    check_capture_tokens,
+    positional_names,
+    scratch_arguments,
+    static_suspect,
+)
+from .build import (
+    Startup,
+    TimedAdvisor,
+    TraceSnapshot,
+    breakable_model,
+    load_trace,
+    static_from_mismatch,
+    trace_model,
+    trace_snapshot,
+)
 from .cache import compile_cache
 from .cache.session import CacheEntry
 from .config import Config
@@ -29,7 +46,7 @@ from .graphs.progress import capture_bar, summary, wants_bar
 from .ops.auto_opaque import hold_routed
 from .ops.prewarm import prewarm
 from .ops.split import split_op_names
-from .program import TokenCountMismatch, check_token_dim, describe, kept_buffers, token_arguments
+from .program import TokenCountMismatch, check_token_dim, kept_buffers
 from .runner import FlatRunner
 from .weights import WeightWatch
 
@@ -76,6 +93,9 @@ class GraphedModule(torch.nn.Module):
         self._weights = WeightWatch(model)
         self._trace_fixes: TraceFixes | None = None  # what automatic opaque wrapped (routes undone on release)
         self._startup = Startup()
+        self._trace_source: GraphedModule | None = None  # trace_from(): whose trace this module's program reuses
+        self._shares_trace = False  # another module reuses this one's trace: keep its snapshot
+        self._snapshot: TraceSnapshot | None = None
 
     def __deepcopy__(self, memo: dict) -> GraphedModule:
         """A copy of the model, compiled anew on its first call (compiled code and graphs are not copied)."""
@@ -181,9 +201,9 @@ class GraphedModule(torch.nn.Module):
             elif mode == "auto":
                 if not self._load_trace(entry):
                     self._setup_auto(values, entry)
-            elif not self._load_trace(entry):
+            elif not self._load_trace(entry) and not self._load_shared(entry):
                 # Dynamo's failure: automatic opaque when Config says, else piecegraph's error naming the fix
-                snapshots: list | None = [] if entry.enabled else None
+                snapshots: list | None = [] if entry.enabled or self._shares_trace else None
                 advisor = TimedAdvisor(self._advisor, self._startup)
                 self._keep_fixes(trace_or_explain(
                     self.model, lambda: scratch_arguments(values), self.config, advisor,
@@ -191,7 +211,7 @@ class GraphedModule(torch.nn.Module):
                 self._keep_trace(entry, snapshots)
 
     def _setup_auto(self, values: dict[str, Any], entry: CacheEntry) -> None:
-        snapshots: list | None = [] if entry.enabled else None
+        snapshots: list | None = [] if entry.enabled or self._shares_trace else None
         fixed = setup_auto(self.model, values, self.config, TimedAdvisor(self._advisor, self._startup),
                            lambda v, c, vs: self._try_trace(v, c, vs, snapshots), self._setup_breakable)
         self._keep_fixes(fixed)
@@ -207,20 +227,53 @@ class GraphedModule(torch.nn.Module):
         self._startup.cache["trace"] = "traced"
         if entry.trace is None or self.config.mode not in ("piecewise", "full", "auto"):
             return False
+        if not self._build_from(lambda: pickle.loads(entry.trace), "piecegraph cache: the traced program"):
+            entry.trace = None  # so the new trace replaces it
+            return False
+        self._startup.cache["trace"] = "loaded"
+        return True
+
+    def trace_from(self, other: GraphedModule) -> None:
+        """Build this module's program from ``other``'s Dynamo trace instead of tracing the model again (an
+        engine's piecewise and full modules of one model: one trace, two programs). ``other`` must wrap the same
+        model and set up first; it keeps its trace's snapshot for this. Where it has none (automatic opaque
+        wrapped a function, breakable, a trace that cannot be snapshotted) or the snapshot does not fit, this
+        module traces as usual. ``stats()["startup"]["trace"]`` says ``"shared"`` when it was used."""
+        if other.model is not self.model:
+            raise ValueError("trace_from(other): other must wrap the same model object as this module")
+        if self._compiled is not None:
+            raise RuntimeError("trace_from(other) must come before this module's first call or capture")
+        self._trace_source, other._shares_trace = other, True
+
+    def _load_shared(self, entry: CacheEntry) -> bool:
+        """The program from the trace of :meth:`trace_from`'s module, if it has one; False: trace."""
+        source = self._trace_source
+        if source is None or self.config.mode not in ("piecewise", "full", "auto"):
+            return False
+        snapshot = source._snapshot
+        if snapshot is None or not self._build_from(lambda: snapshot, "the shared trace"):
+            log.info("piecegraph: no trace to share from the other module; tracing")
+            return False
+        self._startup.cache["trace"] = "shared"
+        if entry.enabled:
+            entry.new_trace = pickle.dumps(snapshot)
+        return True
+
+    def _build_from(self, snapshot_of: Callable[[], TraceSnapshot], what: str) -> bool:
+        """Build and bind the program of a traced program's snapshot without Dynamo; False (and a warning
+        naming ``what``) when it does not fit this model."""
         try:
-            snapshot = pickle.loads(entry.trace)
+            snapshot = snapshot_of()
             config = self.config.replace(static_inputs=snapshot.static_inputs)
             built, verify = piecewise_config(config) if config.mode == "auto" else (config, None)
             binding = load_trace(self.model, snapshot, built, self._runners, verify, self._startup)
         except Exception as err:  # noqa: BLE001  (never load what does not fit: trace anew, and say so)
-            log.warning("piecegraph cache: the traced program could not be used (%s: %s); tracing anew",
-                        type(err).__name__, err)
+            log.warning("%s could not be used (%s: %s); tracing anew", what, type(err).__name__, err)
             self._reset()
-            entry.trace = None  # so the new trace replaces it
             return False
         self.config, self._binding, self._compiled = config, binding, self.runner
         self._weights.bind(binding)
-        self._startup.cache["trace"] = "loaded"
+        self._snapshot = snapshot if self._shares_trace else None
         return True
 
     def _keep_trace(self, entry: CacheEntry, snapshots: list | None) -> None:
@@ -228,8 +281,9 @@ class GraphedModule(torch.nn.Module):
         if not snapshots or self._trace_fixes is not None or len(self._runners) != 1:
             return
         snapshot = trace_snapshot(snapshots[-1], self._binding, self.model, self.config)
-        if snapshot is not None:
+        if snapshot is not None and entry.enabled:
             entry.new_trace = pickle.dumps(snapshot)
+        self._snapshot = snapshot if self._shares_trace else None
 
     def _keep_fixes(self, fixed: TraceFixes | None) -> None:
         """Keep what automatic opaque wrapped (for stats()); its routes are undone when this module is released."""
@@ -305,8 +359,8 @@ class GraphedModule(torch.nn.Module):
         with jit_builds() as builds, capture_bar(self.config.progress, sizes) as update, capture_batch():
             for done, n in enumerate(sizes):
                 update(n, done)
-                args, meta = _capture_inputs(make_inputs, n)
-                _check_capture_tokens(self._arguments(args, {}), n, self.config)
+                args, meta = capture_inputs(make_inputs, n)
+                check_capture_tokens(self._arguments(args, {}), n, self.config)
                 with forward_context(meta) if meta is not None else contextlib.nullcontext():
                     self(*args)
         self._startup.jit.extend(builds)  # a setup inside the first size recorded into this block's list
@@ -358,34 +412,3 @@ def _import_compiler_stack() -> float:
     import torch._inductor.codecache  # noqa: F401
 
     return time.perf_counter() - start
-
-
-def _capture_inputs(make_inputs: Callable[[int], Any], n: int) -> tuple[tuple[Any, ...], Any]:
-    """``make_inputs(n)`` as ``(args, context)``, refused naming what it returned when it is not that shape."""
-    got = make_inputs(n)
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise TypeError(
-            f"make_inputs({n}) returned {describe(got)}; it must return (args, context): a tuple of the forward's "
-            f"arguments for {n} tokens and the forward context (None for none), e.g. ((input_ids, positions), meta)"
-        )
-    args, meta = got
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(
-            f"make_inputs({n}) returned args {describe(args)}; args must be a tuple (or list) of the forward's "
-            "arguments, e.g. return ((x,), None) for a forward that takes one tensor"
-        )
-    return tuple(args), meta
-
-
-def _check_capture_tokens(values: dict[str, Any], n: int, config: Config) -> None:
-    """The first token argument of ``make_inputs(n)``'s args has ``n`` rows (another count would capture, and
-    report, another size)."""
-    td = config.token_dim
-    static = tuple(name for name in config.static_inputs if name in values)
-    tokens = token_arguments(values, td, static)
-    first = next((k for k in values if k in tokens), None)
-    if first is not None and values[first].shape[td] != n:
-        raise ValueError(
-            f"make_inputs({n}) returned {first} as {describe(values[first])}: its dim token_dim={td} is "
-            f"{values[first].shape[td]}, not {n}. make_inputs(n) must return the arguments of n tokens"
-        )

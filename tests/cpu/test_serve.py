@@ -473,3 +473,49 @@ def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
     assert engine_config("auto-pieces", EngineConfig()).full_compile == "pieces"
     with pytest.raises(ValueError, match="EngineConfig.full_compile='layers'"):
         EngineConfig(full_compile="layers")
+
+
+def test_auto_traces_the_model_once_for_both_modules(monkeypatch):
+    """Auto's full module builds its program from the piecewise module's trace (``trace_from``): one Dynamo trace
+    per engine, tokens equal to the model's own greedy decoding, and the decode module says ``"shared"``."""
+    from piecegraph import graphed_module
+
+    traced = []
+    real = graphed_module.trace_model
+    monkeypatch.setattr(graphed_module, "trace_model", lambda *a, **k: traced.append(1) or real(*a, **k))
+    model = Decoder.random(TINY, seed=4).eval()
+    engine = Engine(model, EngineConfig(mode="auto", max_num_seqs=3, max_num_batched_tokens=16, max_seq_len=48,
+                                        compiler="eager", emulate_graphs=True, decode_sizes=(1, 2, 4),
+                                        prefill_sizes=(4, 8, 16)))
+    assert len(traced) == 1
+    executor = engine.executor
+    assert executor.decode.module.stats()["startup"]["trace"] == "shared"
+    prompts = [[3, 1, 4, 1], [5, 9], [2, 6, 5, 3, 5]]
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=6)) == generate(model, prompts, 6)
+    assert {s.kind for s in engine.steps} >= {"full", "piecewise"}
+
+
+def test_trace_from_needs_the_same_model_before_setup_and_falls_back_to_tracing(monkeypatch):
+    """A module whose source has no trace to share (breakable: no Dynamo) traces by itself; another model or a
+    module already set up is refused."""
+    import piecegraph
+    from piecegraph import graphed_module
+    from piecegraph.attention import KVCache
+    from piecegraph.models import dummy_inputs
+
+    model, other = Decoder.random(TINY, seed=4).eval(), Decoder.random(TINY, seed=5).eval()
+    cache = KVCache.for_sequences(TINY, 2, 32)
+    make = lambda n: dummy_inputs(model, cache, n)  # noqa: E731
+    source = piecegraph.compile(model, mode="breakable", capture_sizes=(2,), emulate_graphs=True)
+    full = piecegraph.compile(model, mode="full", capture_sizes=(2,), emulate_graphs=True, compiler="eager")
+    with pytest.raises(ValueError, match="same model"):
+        full.trace_from(piecegraph.compile(other, mode="piecewise"))
+    full.trace_from(source)
+    source.capture(make)
+    traced = []
+    real = graphed_module.trace_model
+    monkeypatch.setattr(graphed_module, "trace_model", lambda *a, **k: traced.append(1) or real(*a, **k))
+    full.capture(make)
+    assert traced == [1] and full.stats()["startup"].get("trace") != "shared"
+    with pytest.raises(RuntimeError, match="before this module's first call"):
+        full.trace_from(source)
