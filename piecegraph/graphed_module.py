@@ -251,8 +251,10 @@ class GraphedModule(torch.nn.Module):
         if source is None or self.config.mode not in ("piecewise", "full", "auto"):
             return False
         snapshot = source._snapshot
-        if snapshot is None or not self._build_from(lambda: snapshot, "the shared trace"):
-            log.info("piecegraph: no trace to share from the other module; tracing")
+        if snapshot is None:
+            log.info("piecegraph: the module traced first has no plain trace to share; tracing")
+            return False
+        if not self._build_from(lambda: snapshot, "the shared trace"):
             return False
         self._startup.cache["trace"] = "shared"
         if entry.enabled:
