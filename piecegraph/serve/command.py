@@ -77,8 +77,8 @@ def serve_bench(
     quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
                               "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto; "
-                              "auto-sync (the synchronous loop), auto-nofreeze (the collector left as it is), "
-                              "auto-pieces (the full module compiled by pieces)"),
+                              "auto-sync (the synchronous loop), auto-freeze (on a frozen heap), "
+                              "auto-pieces (the full module from the shared trace, compiled by pieces)"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
                                  "(default: --rounds per client within --min-requests..--max-requests)"),

@@ -58,13 +58,18 @@ class EngineConfig:
         freeze_gc: the engine's own loops (``run``, ``generate``, the server's loop; serve-bench's clients) freeze
             the heap that exists when they start and unfreeze it when they end (``serve/gc_pauses.py``), so
             Python's full collections walk only what serving made, not the compiler's hundreds of thousands of
-            objects (150-420 ms pauses measured at c=1024 without). ``False``: the collector as it is.
+            objects (150-420 ms pauses measured at c=1024 without). Off by default until a GPU serve-bench shows
+            it (its ``auto-freeze`` row).
         full_compile: how auto's full (decode) module compiles its graph (``piecegraph.Config.full_compile``):
             ``"whole"`` (default), one Inductor program of the whole decoder; ``"pieces"``, the pieces between
             attention calls compiled as the piecewise module compiles them (identical layers once, the same
             Inductor cache entries), then captured whole as before: a fraction of the compile time (the whole
-            program was 25-29 s of the 0.5B auto engine's 36 s start on the H200); its step time against
-            ``"whole"`` is serve-bench's ``auto-pieces`` row.
+            program was 25-29 s of the 0.5B auto engine's 36 s start on the H200).
+        share_trace: auto's full module builds its program from the piecewise module's Dynamo trace
+            (``GraphedModule.trace_from``) instead of tracing the model a second time (3.7 s of the 0.5B start);
+            where that trace cannot be shared it traces as before. With ``full_compile="pieces"`` the full module
+            set up in 2.3 s instead of 25.7 on CPU. Both off by default until a GPU serve-bench times their steps
+            (its ``auto-pieces`` row sets both).
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
         graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate is over it are
@@ -91,8 +96,9 @@ class EngineConfig:
     emulate_graphs: bool = False
     attention_backend: str | None = None
     overlap: bool = True
-    freeze_gc: bool = True
+    freeze_gc: bool = False
     full_compile: str = "whole"
+    share_trace: bool = False
     cache_dir: Any = None
     graph_memory_limit: int | None = None
     auto_opaque: bool | None = None
@@ -118,7 +124,7 @@ class EngineConfig:
                 if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
                     raise ValueError(f"EngineConfig.{name}={sizes!r} must be a non-empty list of positive ints")
                 object.__setattr__(self, name, values)
-        for name in ("emulate_graphs", "overlap", "freeze_gc"):
+        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.full_compile not in FULL_COMPILE:

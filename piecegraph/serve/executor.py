@@ -88,8 +88,8 @@ class Executor:
             self.decode = Slot("full", piecegraph.compile(
                 model, mode="full", compiler=config.compiler, capture_sizes=config.full_sizes,
                 full_compile=config.full_compile, **common), config.full_sizes)
-            # one Dynamo trace for both modules: the full one builds its program from the piecewise one's
-            self.decode.module.trace_from(self.mixed.module)
+            if config.share_trace:  # one Dynamo trace for both modules: the full one builds from the piecewise one's
+                self.decode.module.trace_from(self.mixed.module)
 
     @property
     def slots(self) -> list[Slot]:

@@ -3,9 +3,9 @@
 Modes run one after another in one process; each engine is dropped (and Dynamo reset) before the next, so
 each starts alike. A mode that fails to start or run is recorded with its error and the sweep goes on. A mode is
 an engine mode (overlapped steps, the engine's default), ``auto-sync``: ``auto`` with the synchronous loop
-(``EngineConfig.overlap=False``), the baseline row of the overlapped engine, ``auto-nofreeze``: ``auto`` with
-the collector left as it is (``EngineConfig.freeze_gc=False``), the baseline row of the frozen heap, or
-``auto-pieces``: ``auto`` with its full module compiled by pieces (``EngineConfig.full_compile="pieces"``).
+(``EngineConfig.overlap=False``), the baseline row of the overlapped engine, ``auto-freeze``: ``auto`` on a
+frozen heap (``EngineConfig.freeze_gc=True``), or ``auto-pieces``: ``auto`` whose full module builds from the
+piecewise module's trace and compiles by pieces (``share_trace=True``, ``full_compile="pieces"``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from piecegraph.serve.executor import Progress
 from piecegraph.serve.gpu_bound import engine_timer, estimate
 
 SYNC_SUFFIX = "-sync"
-# auto's variant rows: the synchronous loop, the collector left alone, the full module compiled by pieces
-VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-nofreeze": {"freeze_gc": False}, "-pieces": {"full_compile": "pieces"}}
+# auto's variant rows: the synchronous loop, the frozen heap, the full module from the shared trace by pieces
+VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-freeze": {"freeze_gc": True},
+            "-pieces": {"share_trace": True, "full_compile": "pieces"}}
 BENCH_MODES = (*ENGINE_MODES, *("auto" + suffix for suffix in VARIANTS))
 
 

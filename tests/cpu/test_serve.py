@@ -461,7 +461,8 @@ def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlap
 
 def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
     """``EngineConfig.full_compile`` reaches auto's full (decode) module only (piecewise compiles by pieces
-    anyway); serve-bench's ``auto-pieces`` row sets it; other values are refused naming the field."""
+    anyway); serve-bench's ``auto-pieces`` row sets it with ``share_trace``; other values are refused naming the
+    field."""
     model = Decoder.random(TINY, seed=1).eval()
     config = EngineConfig(mode="auto", max_num_seqs=2, max_num_batched_tokens=16, max_seq_len=32, compiler="eager",
                           emulate_graphs=True, decode_sizes=(1, 2), prefill_sizes=(4, 16), full_compile="pieces")
@@ -470,14 +471,17 @@ def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
     assert executor.mixed.module.config.full_compile == "whole"
     from piecegraph.serve.sweep import engine_config
 
-    assert engine_config("auto-pieces", EngineConfig()).full_compile == "pieces"
+    pieces = engine_config("auto-pieces", EngineConfig())
+    assert pieces.full_compile == "pieces" and pieces.share_trace and not EngineConfig().share_trace
     with pytest.raises(ValueError, match="EngineConfig.full_compile='layers'"):
         EngineConfig(full_compile="layers")
 
 
-def test_auto_traces_the_model_once_for_both_modules(monkeypatch):
-    """Auto's full module builds its program from the piecewise module's trace (``trace_from``): one Dynamo trace
-    per engine, tokens equal to the model's own greedy decoding, and the decode module says ``"shared"``."""
+@pytest.mark.parametrize("share", [True, False])
+def test_auto_traces_the_model_once_for_both_modules_when_sharing(monkeypatch, share):
+    """``EngineConfig(share_trace=True)``: auto's full module builds its program from the piecewise module's trace
+    (``trace_from``): one Dynamo trace per engine (two without), tokens equal to the model's own greedy decoding
+    either way, and the decode module says ``"shared"``."""
     from piecegraph import graphed_module
 
     traced = []
@@ -486,10 +490,10 @@ def test_auto_traces_the_model_once_for_both_modules(monkeypatch):
     model = Decoder.random(TINY, seed=4).eval()
     engine = Engine(model, EngineConfig(mode="auto", max_num_seqs=3, max_num_batched_tokens=16, max_seq_len=48,
                                         compiler="eager", emulate_graphs=True, decode_sizes=(1, 2, 4),
-                                        prefill_sizes=(4, 8, 16)))
-    assert len(traced) == 1
-    executor = engine.executor
-    assert executor.decode.module.stats()["startup"]["trace"] == "shared"
+                                        prefill_sizes=(4, 8, 16), share_trace=share))
+    assert len(traced) == (1 if share else 2)
+    shared = engine.executor.decode.module.stats()["startup"].get("trace") == "shared"
+    assert shared == share
     prompts = [[3, 1, 4, 1], [5, 9], [2, 6, 5, 3, 5]]
     assert engine.generate(prompts, SamplingParams(max_new_tokens=6)) == generate(model, prompts, 6)
     assert {s.kind for s in engine.steps} >= {"full", "piecewise"}
