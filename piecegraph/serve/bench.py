@@ -21,7 +21,7 @@ import torch
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.serve.engine import Engine
-from piecegraph.serve.gc_pauses import GcPauses, frozen_heap
+from piecegraph.serve.gc_pauses import GcPauses
 from piecegraph.serve.request import Request, SamplingParams
 
 
@@ -68,22 +68,18 @@ def requests_for(concurrency: int, rounds: float, min_requests: int, max_request
 
 def closed_loop(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: int) -> list[Request]:
     """Run ``work`` through ``engine`` with ``concurrency`` clients; returns the finished requests in order. The
-    heap is frozen as in the engine's own loops (``EngineConfig.freeze_gc``)."""
-    todo, done = deque(work), []
+    loop is :meth:`Engine.run`'s (its heap frozen as ``EngineConfig.freeze_gc`` says), each finish submitting the
+    next request."""
+    todo = deque(work)
 
-    def submit() -> None:
-        prompt, max_new = todo.popleft()
-        engine.add_request(prompt, SamplingParams(max_new_tokens=max_new))
+    def submit(_: Request | None = None) -> None:
+        if todo:
+            prompt, max_new = todo.popleft()
+            engine.add_request(prompt, SamplingParams(max_new_tokens=max_new))
 
-    with frozen_heap(engine.config.freeze_gc):
-        for _ in range(min(concurrency, len(todo))):
-            submit()
-        while engine.has_work():
-            for request in engine.step():
-                done.append(request)
-                if todo:
-                    submit()
-    return done
+    for _ in range(min(concurrency, len(todo))):
+        submit()
+    return engine.run(on_finish=submit)
 
 
 def _dist(values: Sequence[float], prefix: str) -> dict[str, float | None]:
