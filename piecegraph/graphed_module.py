@@ -51,6 +51,7 @@ from .runner import FlatRunner
 from .weights import WeightWatch
 
 log = logging.getLogger("piecegraph")
+TRACED_PROGRAM_MODES = ("piecewise", "full", "auto")  # modes whose program a traced snapshot can build
 
 
 class _CallLock:
@@ -225,7 +226,7 @@ class GraphedModule(torch.nn.Module):
         if not entry.enabled:
             return False
         self._startup.cache["trace"] = "traced"
-        if entry.trace is None or self.config.mode not in ("piecewise", "full", "auto"):
+        if entry.trace is None or self.config.mode not in TRACED_PROGRAM_MODES:
             return False
         if not self._build_from(lambda: pickle.loads(entry.trace), "piecegraph cache: the traced program"):
             entry.trace = None  # so the new trace replaces it
@@ -241,6 +242,11 @@ class GraphedModule(torch.nn.Module):
         module traces as usual. ``stats()["startup"]["trace"]`` says ``"shared"`` when it was used."""
         if other.model is not self.model:
             raise ValueError("trace_from(other): other must wrap the same model object as this module")
+        for field in ("token_dim", "static_inputs"):  # what decides the trace's inputs: a shared one must agree
+            theirs, ours = getattr(other.config, field), getattr(self.config, field)
+            if _as_set(theirs) != _as_set(ours):
+                raise ValueError(f"trace_from(other): other's Config.{field}={theirs!r} differs from this "
+                                 f"module's {ours!r}; give both the same")
         if self._compiled is not None:
             raise RuntimeError("trace_from(other) must come before this module's first call or capture")
         self._trace_source, other._shares_trace = other, True
@@ -248,7 +254,7 @@ class GraphedModule(torch.nn.Module):
     def _load_shared(self, entry: CacheEntry) -> bool:
         """The program from the trace of :meth:`trace_from`'s module, if it has one; False: trace."""
         source = self._trace_source
-        if source is None or self.config.mode not in ("piecewise", "full", "auto"):
+        if source is None or self.config.mode not in TRACED_PROGRAM_MODES:
             return False
         snapshot = source._snapshot
         if snapshot is None:
@@ -404,6 +410,13 @@ class GraphedModule(torch.nn.Module):
                 "setup_s": s.setup_s, "capture_s": capture, "ready_s": s.setup_s + capture,
                 **jit_summary(s.jit), "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
                 "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"), **s.cache}
+
+
+def _as_set(value: Any) -> Any:
+    """A config value compared as a set of names (``static_inputs``: one name or several), else as it is."""
+    if isinstance(value, str):
+        return {value}
+    return set(value) if isinstance(value, (tuple, list)) else value
 
 
 def _import_compiler_stack() -> float:

@@ -475,6 +475,8 @@ def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
     assert pieces.full_compile == "pieces" and pieces.share_trace and not EngineConfig().share_trace
     with pytest.raises(ValueError, match="EngineConfig.full_compile='layers'"):
         EngineConfig(full_compile="layers")
+    with pytest.raises(ValueError, match="EngineConfig.share_trace='yes' must be True or False"):
+        EngineConfig(share_trace="yes")
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -514,6 +516,10 @@ def test_trace_from_needs_the_same_model_before_setup_and_falls_back_to_tracing(
     full = piecegraph.compile(model, mode="full", capture_sizes=(2,), emulate_graphs=True, compiler="eager")
     with pytest.raises(ValueError, match="same model"):
         full.trace_from(piecegraph.compile(other, mode="piecewise"))
+    with pytest.raises(ValueError, match=r"Config.token_dim=1 differs from this module's 0"):
+        full.trace_from(piecegraph.compile(model, mode="piecewise", token_dim=1))
+    with pytest.raises(ValueError, match=r"Config.static_inputs=\('positions',\) differs"):
+        full.trace_from(piecegraph.compile(model, mode="piecewise", static_inputs=("positions",)))
     full.trace_from(source)
     source.capture(make)
     traced = []
