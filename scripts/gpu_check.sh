@@ -34,6 +34,8 @@
 # REPEATS: runs per concurrency in "serve" and "http" (the median run is reported; a GPU host's runs vary 10-20%).
 # TESTS names the GPU test files to run (default: all of tests/gpu). BUNDLE=NAME.tgz packs everything under
 # OUTDIR into that one archive at the end (the device tool brings back at most 8 files).
+# JIT_SAVE=1 packs the FlashInfer kernels built in this call into OUTDIR/flashinfer_jit.tgz; a later call with that
+# file in .whl/ loads them prebuilt (no JIT build).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -51,6 +53,13 @@ if [ ${#wheels[@]} -gt 0 ]; then
     && export PYTHONPATH=/tmp/pg-site:${PYTHONPATH:-}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>/tmp/pg-install.log 2>&1 || export PYTHONPATH=$PWD:${PYTHONPATH:-}
+# FlashInfer kernels built by an earlier call (.whl/flashinfer_jit.tgz, from JIT_SAVE=1 there) go where FlashInfer
+# loads prebuilt kernels (its AOT folder) and skip their 17-51 s builds each; the JIT build seconds a start reports
+# are then not a first build's.
+if [ -f .whl/flashinfer_jit.tgz ]; then
+  aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null) \
+    && mkdir -p "$aot" && tar -xzf .whl/flashinfer_jit.tgz -C "$aot" && echo "prebuilt FlashInfer kernels: $(ls "$aot" | wc -l)"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 # the host too: machines lent differ in host speed by ~1.6x (stop 36), and the HTTP part's processes share its cores
 { lscpu; nproc; } >"$OUT/cpu.txt" 2>&1 || true
@@ -269,6 +278,10 @@ if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench 
     done
   done
   tail -60 "$OUT/tp_bench.log"
+fi
+if [ -n "${JIT_SAVE:-}" ]; then  # the kernels FlashInfer built here, for a later call's .whl/flashinfer_jit.tgz
+  ops=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)" 2>/dev/null)
+  [ -d "$ops" ] && (cd "$ops" && find . -mindepth 2 -maxdepth 2 -name "*.so" -print0 | tar -czf "$OUT/flashinfer_jit.tgz" --null -T -)
 fi
 if [ -n "${BUNDLE:-}" ]; then  # one archive instead of many files: the device tool brings back at most 8
   tar -czf /tmp/pg-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/pg-results.tgz "$OUT/$BUNDLE"
