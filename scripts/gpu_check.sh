@@ -231,12 +231,21 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
         --max-batched-tokens 2048 "${common[@]}" --json "$OUT/http_inprocess.json" 2>&1 | tee "$OUT/http_inprocess.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     fi
-    for engine in ${HTTP_ENGINES:-process thread}; do
+    # HTTP_PINS: --engine-cpus values to serve with in turn (default none); a pinned server's load generator keeps
+    # off the engine's CPUs too (on another machine it would), and its files are named http_process_<pins>.
+    for run in ${HTTP_ENGINES:-process thread}; do for pins in ${HTTP_PINS:-none}; do
+      engine=$run client=()
+      if [ "$pins" != none ]; then
+        engine=${run}_${pins//[^0-9a-z]/_}
+        rest=$(python3 -c "import sys; from piecegraph.server.affinity import *; s = split_cpus(sys.argv[1], \
+          available_cpus()); print(format_cpus(s[1]) if s else '')" "$pins")
+        [ -n "$rest" ] && client=(taskset -c "$rest")
+      fi
       port=$((8400 + RANDOM % 500))
       setsid python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
         --max-num-seqs "$HTTP_SEQS" --max-batched-tokens 2048 --max-seq-len 832 --port "$port" \
-        --engine-$engine --api-servers "${HTTP_API_SERVERS:-0}" ${HTTP_SERVE_ARGS:-} --log-level warning \
-        >"$OUT/http_server_$engine.log" 2>&1 &
+        --engine-$run --api-servers "${HTTP_API_SERVERS:-0}" --engine-cpus "$pins" ${HTTP_SERVE_ARGS:-} \
+        --log-level warning >"$OUT/http_server_$engine.log" 2>&1 &
       spid=$!
       # a timeout must not leave the server (its own process group: engine and front ends too) on the GPU
       trap 'kill -KILL -- -$spid 2>/dev/null; exit 124' TERM
@@ -256,14 +265,14 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       }
       check_tokens "${engine}_fresh"
       if [ -z "${HTTP_TOKENS_ONLY:-}" ]; then
-        python3 -m piecegraph.cli serve-bench --url "http://127.0.0.1:$port" "${common[@]}" \
+        "${client[@]}" python3 -m piecegraph.cli serve-bench --url "http://127.0.0.1:$port" "${common[@]}" \
           --json "$OUT/http_$engine.json" 2>&1 | tee -a "$OUT/http_$engine.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         check_tokens "${engine}_after_load"
       fi
       kill -INT $spid; wait $spid
       trap - TERM
-    done
+    done; done
   fi
 fi
 if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench at TP 1 and 2 on two shapes

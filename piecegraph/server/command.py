@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import typer
 from rich.console import Console
 
 from piecegraph.cli_common import PRESETS, load_model, resolve_attention, resolve_device
+from piecegraph.server.affinity import available_cpus, format_cpus, pin, split_cpus
 
 console = Console()
 
@@ -50,6 +52,9 @@ def serve(
     api_servers: int = typer.Option(0, "--api-servers", min=0, help="HTTP front-end processes on the port, each "
                                     "with its own pipes to the engine process (0: 1 on CPU, on a GPU up to 4, one "
                                     "per 4 cores); one front end streams ~30-45k tokens/s"),
+    engine_cpus: str = typer.Option("none", "--engine-cpus", help="CPUs of the engine process's own: none (share "
+                                    "them all) | auto (the 2 highest, on a machine of 8 or more) | a list such as "
+                                    "14-15; the API servers then run on the others. Linux, --engine-process only"),
     cache: bool = typer.Option(True, "--cache/--no-cache", help="keep compiled code in piecegraph's artifact cache "
                                "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
                                "restart skips tracing and compiling; Inductor-compiled engines only (the GPU "
@@ -95,6 +100,7 @@ def serve(
     if frontends > 1 and not engine_process:
         raise typer.BadParameter("several API servers need the engine in its own process (--engine-process)",
                                  param_hint="--api-servers")
+    cpus = cpu_split(engine_cpus, engine_process)
     try:  # bound before the engine's minutes of start-up: a taken port fails now
         sock = listening_socket(host, port, reuse_port=frontends > 1)
     except OSError as err:
@@ -104,7 +110,10 @@ def serve(
     if engine_process:
         console.print("starting the engine process (load, trace, compile, capture)")
         state = build_process_state(factory, functools.partial(load_tokenizer, name), served,
-                                    max_pending=max_pending or None, drain_s=drain, frontends=frontends)
+                                    max_pending=max_pending or None, drain_s=drain, frontends=frontends,
+                                    engine_cpus=cpus and cpus[0])
+        if cpus:  # this process and the front ends it spawns below keep off the engine's CPUs
+            pin(cpus[1])
         setup_s = state.loop.info["setup_s"]
     else:
         engine = factory()
@@ -121,6 +130,8 @@ def serve(
     if fronts is not None:
         fronts.start()
     servers = f"{frontends} API server processes, " if frontends > 1 else ""
+    if cpus:
+        servers += f"engine on CPU {format_cpus(cpus[0])}, API on {format_cpus(cpus[1])}, "
     console.print(f"OpenAI-compatible API at http://{host}:{port}/v1 (model {served!r}, {servers}{stack}); Ctrl-C "
                   f"stops it, letting requests in flight finish for up to {drain:g} s")
     if hint:
@@ -135,11 +146,25 @@ def serve(
         sock.close()
 
 
+def cpu_split(spec: str, engine_process: bool) -> tuple[frozenset[int], frozenset[int]] | None:
+    """``--engine-cpus`` -> (engine CPUs, front-end CPUs), or ``None`` for no pinning; a bad value, a thread
+    engine or an OS without CPU affinity -> ``typer.BadParameter`` naming the option."""
+    if spec == "none":
+        return None
+    if not engine_process:
+        raise typer.BadParameter("pinning needs the engine in its own process (--engine-process)",
+                                 param_hint="--engine-cpus")
+    if not hasattr(os, "sched_setaffinity"):
+        raise typer.BadParameter("CPU affinity is Linux-only; use --engine-cpus none", param_hint="--engine-cpus")
+    try:
+        return split_cpus(spec, available_cpus())
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--engine-cpus") from None
+
+
 def default_api_servers(gpu: bool) -> int:
     """Front-end processes when ``--api-servers`` is not given: one on CPU (the engine is the limit there); on a
     GPU one per 4 cores up to 4, since one streams ~30-45k tokens/s and an H200 engine makes more."""
-    import os
-
     return max(1, min(4, (os.cpu_count() or 1) // 4)) if gpu else 1
 
 

@@ -162,16 +162,20 @@ class EventRouter:
             del self.conns[k]
 
 
-def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], threads: int) -> None:
+def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], threads: int,
+                cpus: frozenset[int] | None = None) -> None:
     """The engine process: build the engine, then run its loop on this thread until told to close.
-    ``channels``: one ``(command pipe, event pipe)`` pair per front end."""
+    ``channels``: one ``(command pipe, event pipe)`` pair per front end; ``cpus``: the CPUs it runs on (pinned
+    before any thread starts, so its threads keep to them too; ``None``: any)."""
     import signal
 
+    from piecegraph.server.affinity import pin
     from piecegraph.server.loop import EngineLoop
 
+    pin(cpus)
     # Ctrl-C reaches the whole process group: the server processes drain and then tell this one to close.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(min(threads, len(cpus)) if cpus else threads)
     commands, events = [c for c, _ in channels], [e for _, e in channels]
     try:
         engine = factory()

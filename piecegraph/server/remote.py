@@ -46,10 +46,11 @@ class ProcessEngineLoop:
     asyncio loop (the first to submit reads the events; tickets of another loop get theirs thread-safely through
     it, so that loop must keep running); :meth:`close` runs off that loop (``asyncio.to_thread``) or after it
     stopped. ``frontends``: how many front-end processes the engine serves; this object is front end 0, and
-    :attr:`peer_channels` holds the other front ends' pipe ends, each for :meth:`attach` in its own process."""
+    :attr:`peer_channels` holds the other front ends' pipe ends, each for :meth:`attach` in its own process.
+    ``engine_cpus``: the CPUs the engine process runs on (:mod:`piecegraph.server.affinity`; ``None``: any)."""
 
     def __init__(self, factory: Callable[[], Any] | None, *, max_pending: int | None = None, metrics: Any = None,
-                 frontends: int = 1) -> None:
+                 frontends: int = 1, engine_cpus: frozenset[int] | None = None) -> None:
         if frontends < 1:
             raise ValueError(f"frontends={frontends!r} must be >= 1")
         self.max_pending, self.metrics, self.index = max_pending or 0, metrics, 0
@@ -65,8 +66,8 @@ class ProcessEngineLoop:
                 theirs.append((cmd_recv, ev_send))
             (self._cmd_send, self._ev_recv), self.peer_channels = ours[0], ours[1:]
             self._child_ends = theirs
-            self._proc = ctx.Process(target=engine_main, args=(factory, theirs, torch.get_num_threads()),
-                                     name="piecegraph-engine", daemon=True)
+            self._proc = ctx.Process(target=engine_main, name="piecegraph-engine", daemon=True,
+                                     args=(factory, theirs, torch.get_num_threads(), engine_cpus))
         self.info: dict[str, Any] = {}
         self._tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()  # guards _tickets and _pending (the command pipe has its own)
