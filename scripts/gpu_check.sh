@@ -18,7 +18,9 @@
 # (first JIT, cold, warm) and checks the graph memory estimate; "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
 # shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto); "api-profile" lists the CUDA
-# runtime calls that block an overlapped and a synchronous engine's host loop (scripts/cuda_api_profile.py). "moe" (issue 23) benches
+# runtime calls that block an overlapped and a synchronous engine's host loop (scripts/cuda_api_profile.py).
+# "fused-moe-build" (issue 23) times FlashInfer's sm90 cutlass_fused_moe build for PROBE_S seconds and estimates the
+# rest (scripts/fused_moe_build_probe.py; run it last: its nvcc jobs take every core). "moe" (issue 23) benches
 # the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
@@ -287,6 +289,10 @@ if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench 
     done
   done
   tail -60 "$OUT/tp_bench.log"
+fi
+if has fused-moe-build; then  # issue 23: FlashInfer's sm90 cutlass_fused_moe JIT build, timed for PROBE_S seconds
+  python3 scripts/fused_moe_build_probe.py "$OUT/fused_moe_build.json" "${PROBE_S:-60}" 2>&1 | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ -n "${JIT_SAVE:-}" ]; then  # the kernels FlashInfer built here, for a later call's .whl/flashinfer_jit.tgz
   ops=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)" 2>/dev/null)
