@@ -93,7 +93,21 @@ class Engine:
         self._counter = itertools.count()
         self._inflight: InFlight | None = None  # the launched step whose tokens the host has not read yet
         self.device = self.cache.device
-        _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
+        try:
+            _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
+        except torch.OutOfMemoryError as err:
+            raise torch.OutOfMemoryError(f"{err}\n\npiecegraph: graph capture ran out of device memory after the "
+                                         f"KV cache took {self._cache_room()}") from err
+
+    def _cache_room(self) -> str:
+        """What the KV cache holds and which setting sized it: the capture OOM's hint."""
+        gib = sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v)) / 2**30
+        size = f"{self.cache.num_pages} pages ({gib:.1f} GiB)"
+        if self.config.num_pages is not None:
+            return f"{size}, as EngineConfig.num_pages asked; lower num_pages to leave capture room"
+        return (f"{size}, {self.config.kv_cache_memory} of the free memory (EngineConfig.kv_cache_memory); lower "
+                "kv_cache_memory or set num_pages to leave capture room (breakable graphs keep every eager op's "
+                "outputs per size: they need the most)")
 
     def _build_cache(self) -> KVCache:
         cfg, model_cfg = self.config, self.model.config
