@@ -62,6 +62,8 @@ class ProcessEngineLoop:
             for _ in range(frontends):
                 cmd_recv, cmd_send = ctx.Pipe(duplex=False)
                 ev_recv, ev_send = ctx.Pipe(duplex=False)
+                widen(cmd_send)
+                widen(ev_send)
                 ours.append((cmd_send, ev_recv))
                 theirs.append((cmd_recv, ev_send))
             (self._cmd_send, self._ev_recv), self.peer_channels = ours[0], ours[1:]
@@ -245,6 +247,27 @@ class ProcessEngineLoop:
                     other.append((ticket, event))
         if other:
             post_events(other, self.abort)
+
+
+PIPE_BYTES = 1 << 20  # Linux's default ceiling for an unprivileged process (/proc/sys/fs/pipe-max-size)
+
+
+def widen(conn: Any, size: int = PIPE_BYTES) -> int:
+    """Give ``conn``'s pipe ``size`` bytes of kernel buffer (Linux; elsewhere, or where refused, it keeps its
+    64 KiB) and return the size it has. Why: the engine process writes each step's events with a blocking send,
+    so a front end that is a step behind in reading (busy streaming at concurrency 1024: ~10 KB of events per
+    step) used to stall the engine loop once 64 KiB were unread. 1 MiB holds ~100 steps."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return 0
+    set_size, get_size = getattr(fcntl, "F_SETPIPE_SZ", None), getattr(fcntl, "F_GETPIPE_SZ", None)
+    if set_size is None:
+        return 0
+    try:
+        return fcntl.fcntl(conn.fileno(), set_size, size)
+    except OSError:  # over this machine's pipe-max-size: keep what it has
+        return fcntl.fcntl(conn.fileno(), get_size)
 
 
 class _CommandWriter:
