@@ -2,9 +2,10 @@
 
 The engine process's one host thread sets the pace at high concurrency: on an H200 its steps are host-bound there.
 Behind HTTP it shares the machine's cores with the front ends (parsing, detokenizing, SSE framing) and often with
-the load generator, and stop 36 measured its host phases ~1.3-1.5x slower than in an engine alone. Pinning gives
-the engine process CPUs of its own: the engine process runs on them only, and the front-end processes (this one
-and those it spawns, which inherit its mask) on the rest. Linux only (``os.sched_setaffinity``).
+the load generator, and the H200 runs measured its host phases ~1.2-1.5x slower than in an engine alone. Pinning
+gives the engine process CPUs of its own: the engine process runs on them only, and the front-end processes (this
+one and those it spawns, which inherit its mask) on the rest. Linux only (``os.sched_setaffinity``). Off by
+default: on the H200 (stop 38) ``auto`` served within the host's run-to-run spread of no pinning.
 """
 
 from __future__ import annotations

@@ -255,8 +255,8 @@ PIPE_BYTES = 1 << 20  # Linux's default ceiling for an unprivileged process (/pr
 def widen(conn: Any, size: int = PIPE_BYTES) -> int:
     """Give ``conn``'s pipe ``size`` bytes of kernel buffer (Linux; elsewhere, or where refused, it keeps its
     64 KiB) and return the size it has. Why: the engine process writes each step's events with a blocking send,
-    so a front end that is a step behind in reading (busy streaming at concurrency 1024: ~10 KB of events per
-    step) used to stall the engine loop once 64 KiB were unread. 1 MiB holds ~100 steps."""
+    so a front end a few steps behind in reading (busy streaming at concurrency 1024: ~10 KB of events per step)
+    stalls the engine loop once 64 KiB are unread. 1 MiB holds ~100 such steps."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
