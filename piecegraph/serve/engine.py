@@ -97,12 +97,15 @@ class Engine:
             _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
         except torch.OutOfMemoryError as err:
             raise torch.OutOfMemoryError(f"{err}\n\npiecegraph: graph capture ran out of device memory after the "
-                                         f"KV cache took {self._cache_room()}") from err
+                                         f"KV cache took {self._cache_room(built=cache is None)}") from err
 
-    def _cache_room(self) -> str:
-        """What the KV cache holds and which setting sized it: the capture OOM's hint."""
+    def _cache_room(self, built: bool) -> str:
+        """What the KV cache holds and what sized it (``built``: the engine did, from its config; else the caller's
+        ``cache``): the capture OOM's hint."""
         gib = sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v)) / 2**30
         size = f"{self.cache.num_pages} pages ({gib:.1f} GiB)"
+        if not built:
+            return f"{size}, the cache passed as Engine(cache=...); pass a smaller one to leave capture room"
         if self.config.num_pages is not None:
             return f"{size}, as EngineConfig.num_pages asked; lower num_pages to leave capture room"
         return (f"{size}, {self.config.kv_cache_memory} of the free memory (EngineConfig.kv_cache_memory); lower "

@@ -26,3 +26,18 @@ def test_a_capture_oom_names_the_kv_setting_to_lower(monkeypatch, pages):
     assert "graph capture ran out of device memory" in message and " GiB)" in message
     assert ("EngineConfig.num_pages" if pages else "EngineConfig.kv_cache_memory") in message
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_capture_oom_with_the_callers_cache_names_that_cache(monkeypatch):
+    from piecegraph.attention import KVCache
+
+    monkeypatch.setattr(Executor, "capture", _oom)
+    model = Decoder.random(TINY, seed=0).eval()
+    cache = KVCache(TINY, num_pages=24, page_size=8, max_seq_len=64)
+    config = EngineConfig(mode="piecewise", compiler="eager", emulate_graphs=True, max_num_seqs=4, page_size=8,
+                          max_seq_len=64)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        Engine(model, config, cache=cache)
+    message = str(err.value)
+    assert "24 pages" in message and "Engine(cache=...)" in message
+    assert "kv_cache_memory" not in message and "EngineConfig.num_pages" not in message
