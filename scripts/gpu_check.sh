@@ -235,10 +235,14 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
     fi
     # HTTP_PINS: --engine-cpus values to serve with in turn (default none); a pinned server's load generator keeps
     # off the engine's CPUs too (on another machine it would), and its files are named http_process_<pins>.
-    for run in ${HTTP_ENGINES:-process thread}; do for pins in ${HTTP_PINS:-none}; do
-      engine=$run client=()
+    # HTTP_SPINS: --engine-idle-spin-ms values to serve with in turn (default: serve's own); files http_process_spinN.
+    for run in ${HTTP_ENGINES:-process thread}; do for pins in ${HTTP_PINS:-none}; do for spin in ${HTTP_SPINS:-default}; do
+      engine=$run client=() spin_args=()
+      if [ "$spin" != default ]; then
+        engine=${engine}_spin${spin//[^0-9]/_} spin_args=(--engine-idle-spin-ms "$spin")
+      fi
       if [ "$pins" != none ]; then
-        engine=${run}_${pins//[^0-9a-z]/_}
+        engine=${engine}_${pins//[^0-9a-z]/_}
         rest=$(python3 -c "import sys; from piecegraph.server.affinity import *; s = split_cpus(sys.argv[1], \
           available_cpus()); print(format_cpus(s[1]) if s else '')" "$pins")
         [ -n "$rest" ] && client=(taskset -c "$rest")
@@ -246,7 +250,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       port=$((8400 + RANDOM % 500))
       setsid python3 -m piecegraph.cli serve "$HTTP_MODEL" --device cuda --attention flashinfer --mode auto \
         --max-num-seqs "$HTTP_SEQS" --max-batched-tokens 2048 --max-seq-len 832 --port "$port" \
-        --engine-$run --api-servers "${HTTP_API_SERVERS:-0}" --engine-cpus "$pins" ${HTTP_SERVE_ARGS:-} \
+        --engine-$run --api-servers "${HTTP_API_SERVERS:-0}" --engine-cpus "$pins" "${spin_args[@]}" ${HTTP_SERVE_ARGS:-} \
         --log-level warning >"$OUT/http_server_$engine.log" 2>&1 &
       spid=$!
       # a timeout must not leave the server (its own process group: engine and front ends too) on the GPU
@@ -274,7 +278,7 @@ if has http; then  # issue 25: the 0.5B shape behind `piecegraph serve`, one clo
       fi
       kill -INT $spid; wait $spid
       trap - TERM
-    done; done
+    done; done; done
   fi
 fi
 if has tp; then  # two GPUs (nvidia-h200-x2): TP=2 against TP=1, then the bench at TP 1 and 2 on two shapes

@@ -92,6 +92,9 @@ class Engine:
         self._live: dict[Hashable, Request] = {}  # waiting or running requests by id
         self._counter = itertools.count()
         self._inflight: InFlight | None = None  # the launched step whose tokens the host has not read yet
+        # What the last step() emitted, as parallel lists (request, token): one token per request per step. A
+        # server publishes these as they are instead of scanning every live request for new output.
+        self.emitted: tuple[list[Request], list[int]] = ([], [])
         self.device = self.cache.device
         try:
             _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
@@ -180,8 +183,10 @@ class Engine:
         Overlapped (``config.overlap``): schedule and launch this step, then read the previous step's tokens
         (its device work ran meanwhile) and finish the requests that stopped there; a stopped request's row in
         this step is discarded when it resolves. Synchronous: launch, then read this step's own tokens.
+        Every token the host learned in it is in :attr:`emitted` until the next step (one per request).
         """
         start = time.perf_counter()
+        self.emitted = ([], [])
         batch = self.scheduler.schedule()
         previous, launched = self._inflight, None
         if batch.rows:
@@ -238,10 +243,13 @@ class Engine:
         values = flight.host.tolist()
         now = time.perf_counter()
         finished = []
+        emitted_requests, emitted_tokens = self.emitted
         for request, token in zip(flight.sampled, values):
             if request.status is Status.FINISHED:
                 continue
             request.append(token, now)
+            emitted_requests.append(request)
+            emitted_tokens.append(token)
             if request.finish_reason is not None:
                 self.scheduler.finish(request)
                 self._live.pop(request.id, None)

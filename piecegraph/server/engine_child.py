@@ -14,6 +14,7 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,11 @@ class CounterBatch:
         out, self.values = [(name, labels, v) for (name, labels), v in self.values.items()], {}
         return out
 
+    def restore(self, rows: list[tuple[str, tuple[tuple[str, str], ...], float]]) -> None:
+        """Put back what :meth:`take` gave, when nobody got it (its front end died)."""
+        for name, labels, value in rows:
+            self.values[(name, labels)] = self.values.get((name, labels), 0.0) + value
+
 
 class PipeInbox:
     """The child's :class:`~piecegraph.server.loop.EngineLoop` inbox, read by the engine thread straight from the
@@ -45,10 +51,13 @@ class PipeInbox:
     process group, the launcher signals each); the ``close`` messages set the drain deadline (the earliest):
     ``stop`` once the loop is idle or the deadline passed (once; after it, what is still in the pipes is handed
     over, so requests that raced the close are aborted as in-process). Every front end gone (EOF on every pipe)
-    stops at once."""
+    stops at once. ``idle_spin_s``: for this long after the engine was last busy, an idle wait polls the pipes
+    instead of sleeping in the kernel, so a request that arrives then starts at once on a core that is still warm
+    (a closed-loop client at concurrency 1 sends its next request ~1-2 ms after its last token); then it blocks."""
 
-    def __init__(self, conns: list[Any]) -> None:
+    def __init__(self, conns: list[Any], idle_spin_s: float = 0.0) -> None:
         self.conns = dict(enumerate(conns))  # index -> command pipe, live front ends only
+        self.idle_spin_s, self.busy_at = idle_spin_s, time.monotonic()
         self.owner: dict[str, int] = {}
         self.local: deque = deque()
         self.loop: Any = None  # the EngineLoop reading this inbox (set once it is built)
@@ -65,13 +74,15 @@ class PipeInbox:
     def get(self, timeout: float = 0.0) -> tuple:
         if self.local:
             return self.local.popleft()
+        now = time.monotonic()
         if self.deadline is not None and not self.stopping:
-            now = time.monotonic()
             if self.loop.stopped or now >= self.deadline:
                 self.stopping = True
                 return ("stop", None)
             timeout = min(timeout, self.deadline - now)
-        ready = wait(list(self.conns.values()), timeout) if self.conns else []
+        if timeout <= 0:  # the engine is busy: it looks between steps
+            self.busy_at = now
+        ready = self._wait(list(self.conns.values()), now, timeout) if self.conns else []
         if not ready:
             raise queue.Empty
         index_of = {id(conn): k for k, conn in self.conns.items()}
@@ -87,6 +98,17 @@ class PipeInbox:
             self.deadline, self.stopping = 0.0, True
             return ("stop", None)
         return self.local.popleft() if self.local else ("wake", None)
+
+    def _wait(self, conns: list[Any], now: float, timeout: float) -> list[Any]:
+        """The pipes with a message, waiting up to ``timeout`` seconds (polling while within the spin window)."""
+        end = now + timeout
+        spin_until = min(self.busy_at + self.idle_spin_s, end)
+        while now < spin_until:
+            ready = wait(conns, 0)
+            if ready:
+                return ready
+            now = time.monotonic()
+        return wait(conns, max(0.0, end - now))
 
     def _apply(self, k: int, message: tuple) -> None:
         kind = message[0]
@@ -148,6 +170,28 @@ class EventRouter:
             self._to(k, ("events", parts.get(k, []), snapshot, counters))
             self.told[k], counters = snapshot, []
 
+    def step(self, requests: list[Any], tokens: list[int], finished: list[Any]) -> None:
+        """A step's tokens (``requests[i]`` got ``tokens[i]``; ``finished``: those that finished, with their
+        reasons) as ONE pickle written to every front end; each takes the ids it holds and skips the rest. Routing
+        per row in this process cost more than every front end reading every row (the engine is host-bound; the
+        front ends run beside it). The counters ride along, marked for the lowest live front end to add."""
+        ids = [r.id for r in requests]
+        done = {r.id: r.finish_reason for r in finished}
+        for rid in done:
+            self.owner.pop(rid, None)
+        cache = self.cache
+        snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
+        counters, counted_by = self.counters.take(), min(self.conns, default=-1)
+        payload = ForkingPickler.dumps(("tokens", ids, tokens, done, snapshot, counters, counted_by))
+        for k in list(self.conns):
+            self.told[k] = snapshot
+            try:
+                self.conns[k].send_bytes(payload)
+            except OSError:  # that front end died; its requests are aborted when the inbox sees the EOF
+                del self.conns[k]
+                if k == counted_by:  # the next step's message carries them to the next front end
+                    self.counters.restore(counters)
+
     def broadcast(self, message: tuple) -> None:
         for k in list(self.conns):
             self._to(k, message)
@@ -163,10 +207,11 @@ class EventRouter:
 
 
 def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], threads: int,
-                cpus: frozenset[int] | None = None) -> None:
+                cpus: frozenset[int] | None = None, idle_spin_s: float = 0.0) -> None:
     """The engine process: build the engine, then run its loop on this thread until told to close.
     ``channels``: one ``(command pipe, event pipe)`` pair per front end; ``cpus``: the CPUs it runs on (pinned
-    before any thread starts, so its threads keep to them too; ``None``: any)."""
+    before any thread starts, so its threads keep to them too; ``None``: any); ``idle_spin_s``: as
+    :class:`PipeInbox`'s."""
     import signal
 
     from piecegraph.server.affinity import pin
@@ -183,14 +228,14 @@ def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], thr
         for conn in events:
             conn.send(("failed", traceback.format_exc()))
         return
-    counters, inbox = CounterBatch(), PipeInbox(commands)
+    counters, inbox = CounterBatch(), PipeInbox(commands, idle_spin_s)
     router = EventRouter(events, inbox.owner, engine.cache, counters)
 
     def sink(batch: list[tuple[Ticket, Event]]) -> None:
         router.send([(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch])
 
-    def step_sink(rows: list[tuple[Ticket, list[int], str | None]], at: float) -> None:
-        router.send([(t.id, ids, reason, None, False) for t, ids, reason in rows])  # servers stamp their own time
+    def step_sink(requests: list[Any], tokens: list[int], finished: list[Any], at: float) -> None:
+        router.step(requests, tokens, finished)  # the front ends stamp their own time
 
     loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=counters, sink=sink, inbox=inbox,
                                    step_sink=step_sink)  # the front ends admit

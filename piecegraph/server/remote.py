@@ -47,10 +47,12 @@ class ProcessEngineLoop:
     it, so that loop must keep running); :meth:`close` runs off that loop (``asyncio.to_thread``) or after it
     stopped. ``frontends``: how many front-end processes the engine serves; this object is front end 0, and
     :attr:`peer_channels` holds the other front ends' pipe ends, each for :meth:`attach` in its own process.
-    ``engine_cpus``: the CPUs the engine process runs on (:mod:`piecegraph.server.affinity`; ``None``: any)."""
+    ``engine_cpus``: the CPUs the engine process runs on (:mod:`piecegraph.server.affinity`; ``None``: any).
+    ``idle_spin_s``: how long the idle engine polls its pipes before it sleeps
+    (:class:`~piecegraph.server.engine_child.PipeInbox`)."""
 
     def __init__(self, factory: Callable[[], Any] | None, *, max_pending: int | None = None, metrics: Any = None,
-                 frontends: int = 1, engine_cpus: frozenset[int] | None = None) -> None:
+                 frontends: int = 1, engine_cpus: frozenset[int] | None = None, idle_spin_s: float = 0.0) -> None:
         if frontends < 1:
             raise ValueError(f"frontends={frontends!r} must be >= 1")
         self.max_pending, self.metrics, self.index = max_pending or 0, metrics, 0
@@ -69,7 +71,7 @@ class ProcessEngineLoop:
             (self._cmd_send, self._ev_recv), self.peer_channels = ours[0], ours[1:]
             self._child_ends = theirs
             self._proc = ctx.Process(target=engine_main, name="piecegraph-engine", daemon=True,
-                                     args=(factory, theirs, torch.get_num_threads(), engine_cpus))
+                                     args=(factory, theirs, torch.get_num_threads(), engine_cpus, idle_spin_s))
         self.info: dict[str, Any] = {}
         self._tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()  # guards _tickets and _pending (the command pipe has its own)
@@ -203,7 +205,15 @@ class ProcessEngineLoop:
         except (EOFError, OSError):
             self._eof = True
             return
-        if message[0] == "events":
+        if message[0] == "tokens":  # a step's tokens, every front end's (EventRouter.step)
+            _, ids, tokens, done, self._snapshot, counters, counted_by = message
+            tickets = self._tickets
+            self._dispatch([(rid, [token], done.get(rid), None, False)
+                            for rid, token in zip(ids, tokens) if rid in tickets])
+            if self.metrics is not None and counted_by == self.index:
+                for name, labels, value in counters:
+                    self.metrics.inc(name, value, **dict(labels))
+        elif message[0] == "events":
             _, events, snapshot, counters = message
             self._snapshot = snapshot
             self._dispatch(events)

@@ -31,19 +31,20 @@ def build_state(engine: Engine, tokenizer: Tokenizer, model_name: str, *, max_pe
 
 def build_process_state(factory: Callable[[], Engine], tokenizer_for: Callable[[int], Tokenizer], model_name: str, *,
                         max_pending: int | None = None, drain_s: float = 30.0, frontends: int = 1,
-                        engine_cpus: frozenset[int] | None = None) -> Any:
+                        engine_cpus: frozenset[int] | None = None, idle_spin_s: float = 0.0) -> Any:
     """As :func:`build_state`, with the engine built by ``factory`` (picklable) in its own process
     (:class:`~piecegraph.server.remote.ProcessEngineLoop`); blocks until it is ready. ``tokenizer_for(vocab_size)``
     gives the tokenizer once the engine says its vocabulary. ``frontends`` > 1: the engine also serves that many
     minus one more front-end processes, which :class:`BackgroundServer` or the CLI start
-    (:class:`~piecegraph.server.frontends.FrontEnds`). ``engine_cpus``: the engine process's CPUs (``None``: any).
+    (:class:`~piecegraph.server.frontends.FrontEnds`). ``engine_cpus``: the engine process's CPUs (``None``: any);
+    ``idle_spin_s``: how long its idle loop polls before it sleeps.
     """
     from piecegraph.server.app import ServerState
     from piecegraph.server.remote import ProcessEngineLoop
 
     metrics = Metrics()
     loop = ProcessEngineLoop(factory, max_pending=max_pending, metrics=metrics, frontends=frontends,
-                             engine_cpus=engine_cpus)
+                             engine_cpus=engine_cpus, idle_spin_s=idle_spin_s)
     loop.start()
     metrics.gauges = loop.load
     info = loop.info

@@ -23,8 +23,10 @@ def _arith_engine(overlap, budget=8, seqs=3, page_size=2, pages=12):
 
 def _drive(engine, script):
     """Run ``script`` = ``[(prompt, params, arrival step, abort step or None)]`` step by step; returns the
-    requests by index and the indices actually aborted (those still live at their abort step)."""
-    requests, aborted, step, finished = {}, set(), 0, []
+    requests by index and the indices actually aborted (those still live at their abort step). What each step
+    says it emitted (``engine.emitted``, what a server publishes) must add up to every request's output, aborted
+    ones included, one token per request per step, each finished request with its last token in that step."""
+    requests, aborted, step, finished, streams = {}, set(), 0, [], {}
     while len(requests) < len(script) or engine.has_work():
         for i, (prompt, params, arrival, _) in enumerate(script):
             if arrival == step:
@@ -32,7 +34,14 @@ def _drive(engine, script):
         for i, (_, _, _, abort) in enumerate(script):
             if abort == step and i in requests and engine.abort(i) is not None:
                 aborted.add(i)
-        finished += engine.step()
+        done = engine.step()
+        got, tokens = engine.emitted
+        assert len(got) == len(tokens) == len({r.id for r in got})
+        assert {r.id for r in done} <= {r.id for r in got}
+        for request, token in zip(got, tokens):
+            streams.setdefault(request.id, []).append(token)
+            assert request.output[len(streams[request.id]) - 1] == token
+        finished += done
         step += 1
         assert step < 3000, "the engine stopped making progress"
     ids = [r.id for r in finished]
@@ -40,6 +49,7 @@ def _drive(engine, script):
     assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert all(r.status is Status.FINISHED and r.inflight == 0 for r in requests.values())
+    assert all(streams.get(i, []) == r.output for i, r in requests.items())
     return requests, aborted
 
 

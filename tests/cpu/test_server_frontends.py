@@ -103,6 +103,40 @@ def test_events_go_to_the_front_end_that_sent_the_request_and_a_lost_one_is_abor
     assert loop.aborted == ["c"] and loop.closing and inbox.deadline is not None
 
 
+class _Req:
+    def __init__(self, rid, reason=None):
+        self.id, self.finish_reason = rid, reason
+
+
+def test_a_step_goes_to_every_front_end_as_one_message_and_its_counters_are_counted_once():
+    """Each front end gets the whole step and keeps its own rows (ids are unique across front ends); the counters
+    ride with it, marked for the lowest live front end; a finished id's route is gone; a dead front end is
+    skipped and the next one counts."""
+    evs = [Pipe(duplex=False) for _ in range(3)]
+
+    class _Cache:
+        num_pages, num_free_pages = 9, 5
+
+    counters = CounterBatch()
+    counters.inc("piecegraph_engine_steps_total", 1, kind="full")
+    owner = {"a": 0, "b": 1, "c": 2}
+    router = EventRouter([s for _, s in evs], owner, _Cache(), counters)
+    router.step([_Req("a"), _Req("b", "length"), _Req("c")], [5, 6, 7], [_Req("b", "length")])
+    full = [("piecegraph_engine_steps_total", (("kind", "full"),), 1.0)]
+    for k, (recv, _) in enumerate(evs):
+        assert recv.recv() == ("tokens", ["a", "b", "c"], [5, 6, 7], {"b": "length"}, {"used": 3, "total": 8},
+                               full, 0), k
+    assert owner == {"a": 0, "c": 2}
+    evs[0][0].close()  # front end 0 dies: its sends fail, front end 1 counts from now on
+    counters.inc("piecegraph_engine_steps_total", 2, kind="full")
+    router.step([_Req("c")], [8], [])
+    router.step([_Req("c")], [9], [])
+    second = [evs[1][0].recv(), evs[1][0].recv()]
+    assert [m[1:3] for m in second] == [(["c"], [8]), (["c"], [9])]
+    assert [m[6] for m in second] == [0, 1]  # the step that found front end 0 dead was marked for it ...
+    assert second[1][5] == [("piecegraph_engine_steps_total", (("kind", "full"),), 2.0)]  # ... so the next carries
+
+
 class _SlowEngine(Engine):
     """Steps take at least 5 ms, so requests are still generating when a test looks."""
 
