@@ -201,7 +201,8 @@ def engine_counters(url: str) -> dict[str, dict[str, float]] | None:
 def engine_share(before: dict | None, after: dict | None, seconds: float) -> dict[str, Any] | None:
     """What the server's engine did between two :func:`engine_counters` scrapes around a run of ``seconds``: its
     loop's seconds by part and their share of the run (idle is not shared out: the scrapes' waits are in it),
-    mean host ms per step by phase, steps, and (``ttft_mean_ms``) the mean TTFT at the server (arrival to first
+    mean host ms per step by phase, steps (and by graph kind: a mix other than the in-process run's changes the
+    host ms per step), and (``ttft_mean_ms``) the mean TTFT at the server (arrival to first
     token sent) beside the engine's own part of it; ``None`` without both scrapes."""
     if not before or not after:  # not piecegraph's server, or no engine counters had arrived at a scrape
         return None
@@ -211,9 +212,10 @@ def engine_share(before: dict | None, after: dict | None, seconds: float) -> dic
         return {k: v - then.get(k, 0.0) for k, v in now.items()}
 
     loop, phases = delta("piecegraph_engine_loop_seconds_total"), delta("piecegraph_engine_step_phase_seconds_total")
-    steps = sum(delta("piecegraph_engine_steps_total").values())
+    by_kind = {k: int(v) for k, v in delta("piecegraph_engine_steps_total").items() if v}
+    steps = sum(by_kind.values())
     busy = {k: v for k, v in loop.items() if k != "idle"}
-    out = {"steps": int(steps), "loop_s": {k: round(v, 4) for k, v in loop.items()},
+    out = {"steps": steps, "steps_by_kind": by_kind, "loop_s": {k: round(v, 4) for k, v in loop.items()},
            "loop_share": {k: round(v / seconds, 4) for k, v in busy.items()} if seconds > 0 else {},
            "phase_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in phases.items()} if steps else {}}
     ttft = delta("ttft")
@@ -232,7 +234,9 @@ def describe_share(share: dict[str, Any] | None) -> str:
     phases = ", ".join(f"{k} {v:.2f}" for k, v in share["phase_ms_per_step"].items())
     ttft = share.get("ttft_mean_ms")
     split = f"; TTFT mean at the server {ttft['server']:.2f} ms, in the engine {ttft['engine']:.2f}" if ttft else ""
-    return f"engine loop busy: {parts} of the run; {share['steps']} steps, host ms per step: {phases}{split}"
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(share.get("steps_by_kind", {}).items()))
+    return (f"engine loop busy: {parts} of the run; {share['steps']} steps ({kinds}), host ms per step: "
+            f"{phases}{split}")
 
 
 def bench_url(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[int, int], *, warmup: int = 2,

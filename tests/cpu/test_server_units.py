@@ -179,6 +179,7 @@ def test_a_model_directory_is_served_with_its_own_tokenizer_and_template(tmp_pat
 
 def test_serve_bench_url_drives_a_running_server(tmp_path):
     import json
+    from collections import Counter
 
     from typer.testing import CliRunner
 
@@ -204,6 +205,10 @@ def test_serve_bench_url_drives_a_running_server(tmp_path):
     # the server's engine, read from its /metrics around each run: its steps are the engine's (warm-up aside)
     shares = [r["server_engine"] for r in rows]
     assert 0 < sum(s["steps"] for s in shares) <= len(engine.steps)
+    kinds = Counter(str(s.kind) for s in engine.steps)  # and by kind: each within what the engine ran
+    assert all(sum(s["steps_by_kind"].values()) == s["steps"] for s in shares)
+    assert all(sum(s["steps_by_kind"].get(k, 0) for s in shares) <= n for k, n in kinds.items())
+    assert set().union(*(s["steps_by_kind"] for s in shares)) <= set(kinds)
     for share in shares:
         assert 0 < share["loop_share"]["step"] <= 1 and set(share["phase_ms_per_step"]) == set(PHASES)
         launched = sum(share["phase_ms_per_step"][p] for p in PHASES[:3]) * share["steps"] / 1e3
