@@ -62,6 +62,33 @@ def test_warm_start_loads_the_entry_and_equals_eager_and_the_cold_start(root):
         assert second[name] >= 0, name
 
 
+def test_a_warm_start_loads_its_kernels_in_process_and_a_cold_start_keeps_inductors_threads(root, monkeypatch):
+    """A warm entry's pieces are cache hits: Inductor must not start its pool of compile processes to load them
+    (``compile_threads`` 1 during the warm block only); a cold start compiles with Inductor's own setting."""
+    import torch._inductor.config as inductor_config
+
+    from piecegraph.trace import backend
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    seen, compile_piece = [], backend._compile_piece
+
+    def recording(*args, **kwargs):
+        seen.append(inductor_config.compile_threads)
+        return compile_piece(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_compile_piece", recording)
+    before = inductor_config.compile_threads
+    with inductor_config.patch(compile_threads=3):
+        x = torch.randn(5, 16)
+        _, first = _start(root, (8,), x)
+        cold, seen[:] = list(seen), []
+        _, second = _start(root, (8,), x)
+        assert inductor_config.compile_threads == 3  # restored after the block
+    assert (first["cache"], second["cache"]) == ("cold", "warm")
+    assert cold and set(cold) == {3} and seen and set(seen) == {1}, (cold, seen)
+    assert inductor_config.compile_threads == before
+
+
 def _corrupt(entry: Path) -> None:
     blob = entry / "mega.bin"
     data = bytearray(blob.read_bytes())
