@@ -19,7 +19,7 @@ from .config import Config
 from .graphs.breakable import build_breakable_program
 from .program import TokenCountMismatch
 from .runner import FlatRunner
-from .trace.backend import build_program, compiles_pieces, graph_memory, placeholder_facts
+from .trace.backend import build_program, graph_memory, placeholder_facts
 from .trace.snapshot import (
     GraphSnapshot,
     attribute_digest,
@@ -84,7 +84,7 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
         # A recompile's runner is not tracing: it captures at once.
         inputs, restored = example_inputs, False
         if snapshots is not None and not examples:
-            gm, inputs = _through_snapshot(gm, example_inputs, snapshots, compiles_pieces(config))
+            gm, inputs = _through_snapshot(gm, example_inputs, snapshots)
             restored = snapshots[-1] is not None
         # A restored graph has fakes of its own shape env: compile it outside Dynamo's tracing context, whose
         # fake mode (the one compilers look up first) knows only Dynamo's symbols. A warm start compiles it so.
@@ -111,15 +111,13 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
     return call, bind_trace(runner, examples[0], trace_values, result, config.token_dim)
 
 
-def _through_snapshot(gm: torch.fx.GraphModule, example_inputs: list[Any], snapshots: list[GraphSnapshot | None],
-                      pieces: bool) -> tuple[torch.fx.GraphModule, list[Any]]:
-    """``gm`` snapshotted and restored (appending the snapshot), or as it is when it cannot be (appending None);
-    ``pieces``: restored for a program whose pieces are compiled (see :func:`restore_graph`)."""
+def _through_snapshot(gm: torch.fx.GraphModule, example_inputs: list[Any], snapshots: list[GraphSnapshot | None]
+                      ) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """``gm`` snapshotted and restored (appending the snapshot), or as it is when it cannot be (appending None)."""
     snapshot = snapshot_graph(gm, *placeholder_facts(gm))
     if snapshot is not None:
-        try:  # outside Dynamo's tracing context, as a warm start restores it
-            with torch._guards.tracing(None):
-                restored, restored_fakes = restore_graph(snapshot, pieces)
+        try:
+            restored, restored_fakes = restore_graph(snapshot)
         except Exception as err:  # noqa: BLE001  (a graph FX cannot rebuild: keep Dynamo's, without a snapshot)
             log.info("piecegraph: the traced graph cannot be snapshotted (%s: %s); warm starts will trace",
                      type(err).__name__, err)
@@ -158,7 +156,7 @@ def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, 
         raise LookupError("the model's attributes (numbers, flags, strings) changed since it was traced")
     check_fresh(snapshot.graph)
     binding = restore_binding(snapshot.binding, model)
-    gm, fakes = restore_graph(snapshot.graph, compiles_pieces(config))
+    gm, fakes = restore_graph(snapshot.graph)
     memory = graph_memory(gm, config)  # in trace_s, as a traced start counts it
     startup.trace_s += time.perf_counter() - start
     start = time.perf_counter()

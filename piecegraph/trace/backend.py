@@ -14,7 +14,6 @@ from ..graphs.capture import GraphedPiece
 from ..graphs.memory import GraphMemory, estimate_graph_memory
 from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
-from .live_fakes import piece_inputs
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
 from .same_pieces import piece_key
@@ -167,50 +166,42 @@ def _compile_pieces(
     split_gm: torch.fx.GraphModule, infos: list[PieceInfo], fake_args: list[Any], fake_mode: Any, config: Config,
     token_symbols: Any, sizes: tuple[int, ...],
 ) -> tuple[dict[str, Callable[..., Any]], dict[str, dict[int, Callable[..., Any]]], float]:
-    """Compile each non-split piece of ``split_gm`` for its symbolic inputs, and again per static compile size in
-    ``sizes`` (``{piece: {size: fn}}``, with the seconds those took). The pieces' input fakes are those a restored
-    graph's propagation kept (trace/live_fakes.py), else made by running ``split_gm`` on ``fake_args``."""
+    """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs, and
+    again per static compile size in ``sizes`` (``{piece: {size: fn}}``, with the seconds those took)."""
     wanted = {info.name for info in infos if not info.is_split and info.num_ops > 0}
     compiled: dict[str, Callable[..., Any]] = {}
     static: dict[str, dict[int, Callable[..., Any]]] = {}
     seconds = [0.0]
     done: dict[tuple, str] = {}  # piece_key -> the first piece compiled for it (see trace/same_pieces.py)
 
-    def compile_one(target: str, args: list[Any]) -> None:
-        sub = getattr(split_gm, target)
-        key = piece_key(sub, args)
-        twin = done.get(key) if key is not None else None
-        if twin is not None:
-            log.debug("piecegraph: %s is the same program as %s: compiled once", target, twin)
-            compiled[target] = compiled[twin]
-            if twin in static:
-                static[target] = static[twin]
-            return
-        log.debug("piecegraph: compiling %s", target)
-        single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
-        compiled[target] = _compile_piece(sub, args, config.compiler)
-        if sizes:
-            static[target], took = compile_static(sub, args, token_symbols, sizes, target, single)
-            seconds[0] += took
-        if key is not None:
-            done[key] = target
-
     class _Compiler(torch.fx.Interpreter):
         def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
             if target in wanted:
-                compile_one(target, list(args))
+                sub = getattr(split_gm, target)
+                key = piece_key(sub, list(args))
+                twin = done.get(key) if key is not None else None
+                if twin is not None:
+                    log.debug("piecegraph: %s is the same program as %s: compiled once", target, twin)
+                    compiled[target] = compiled[twin]
+                    if twin in static:
+                        static[target] = static[twin]
+                else:
+                    log.debug("piecegraph: compiling %s", target)
+                    single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
+                    compiled[target] = _compile_piece(sub, list(args), config.compiler)
+                    if sizes:
+                        static[target], took = compile_static(sub, list(args), token_symbols, sizes, target,
+                                                              single)
+                        seconds[0] += took
+                    if key is not None:
+                        done[key] = target
             return super().call_module(target, args, kwargs)
 
-    kept = piece_inputs(split_gm, wanted)
     # Under the Python dispatcher, as Dynamo and AOTAutograd run graphs on fakes: without it a C++ composite
     # kernel may read concrete sizes (torch 2.11's matmul does, in transformers' rotary embedding), which
     # specialises the token count and fails the trace with a ConstraintViolationError.
     with fake_mode, enable_python_dispatcher():
-        if kept is None:
-            _Compiler(split_gm).run(*fake_args)
-        else:  # the same fakes, kept by the restored graph's propagation: no second run
-            for target, args in kept.items():
-                compile_one(target, list(args))
+        _Compiler(split_gm).run(*fake_args)
     return compiled, static, seconds[0]
 
 
@@ -225,12 +216,6 @@ def _static_sizes(config: Config, token_symbols: Any, works_along_tokens: bool) 
         measured = torch.cuda.is_available() and not config.emulate_graphs
         return config.sizes if measured and works_along_tokens else ()
     return config.static_compile_sizes
-
-
-def compiles_pieces(config: Config) -> bool:
-    """Whether :func:`build_program` splits the graph and compiles its pieces under ``config`` (every mode but
-    ``full``, and ``full`` with ``full_compile="pieces"``): what a restored graph keeps values for."""
-    return config.mode != "full" or config.full_compile == "pieces"
 
 
 def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config) -> Program:

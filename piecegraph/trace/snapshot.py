@@ -226,16 +226,14 @@ def op_writes_count(gm: torch.fx.GraphModule) -> dict[str, int]:
     return counts
 
 
-def restore_graph(snapshot: GraphSnapshot, pieces: bool = False) -> tuple[torch.fx.GraphModule, list[Any]]:
+def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:
     """The graph of ``snapshot`` with fresh fakes on its nodes (``meta["example_value"]``, symbolic token
-    counts in a new shape env) and the placeholders' fakes, in order. ``pieces``: the graph will be split and
-    its pieces compiled; the values they are compiled for are then kept on its nodes (trace/live_fakes.py).
-    Raises ``ValueError`` on a snapshot of another format."""
+    counts in a new shape env) and the placeholders' fakes, in order. Raises ``ValueError`` on a snapshot of
+    another format."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-
-    from .live_fakes import propagate
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     if snapshot.format != FORMAT:
         raise ValueError(f"a graph snapshot of format {snapshot.format}, not {FORMAT}")
@@ -270,7 +268,7 @@ def restore_graph(snapshot: GraphSnapshot, pieces: bool = False) -> tuple[torch.
             shape = [symbols[s] if isinstance(s, str) else s for s in entry.shape]
             fakes.append(torch.empty(shape, dtype=entry.dtype, device=entry.device).requires_grad_(
                 entry.requires_grad))
-    propagate(gm, mode, fakes, keep=pieces)  # meta["val"] on every node (and what the pieces' compiles read)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     for node, entry, fake in zip(placeholders, snapshot.placeholders, fakes):
         node.meta["example_value"] = fake
