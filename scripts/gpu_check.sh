@@ -21,7 +21,8 @@
 # runtime calls that block an overlapped and a synchronous engine's host loop (scripts/cuda_api_profile.py).
 # "fused-moe-build" (issue 23) times FlashInfer's sm90 cutlass_fused_moe build for PROBE_S seconds and estimates the
 # rest (scripts/fused_moe_build_probe.py; run it last: its nvcc jobs take every core). "moe" (issue 23) benches
-# the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC). "http" (issue 25) serves the 0.5B shape with
+# the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC;
+# MOE_SERVE_ARGS: more serve-bench options, e.g. --num-pages 30000 so that breakable's graphs fit beside the cache). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
 # fresh check; HTTP_NO_TOKENS=1: no token checks, throughput only; HTTP_SERVE_ARGS: more serve options, e.g. --cache;
@@ -184,7 +185,7 @@ if has moe; then  # issue 23: the FP8 MoE preset (A2.7B shape) benched per mode,
   for quant in ${MOE_QUANTS:-fp8 bf16}; do
     python3 -m piecegraph.cli serve-bench --model "$MOE_MODEL" --quant "$quant" --device cuda --attention flashinfer \
       --modes "${MOE_SERVE_MODES:-auto}" --concurrency "${SERVE_CONC:-256,1024}" --requests "${SERVE_REQUESTS:-512,1024}" \
-      --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
+      --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 ${MOE_SERVE_ARGS:-} \
       --json "$OUT/moe_${quant}_serve.json" 2>&1 | tee -a "$OUT/moe_serve.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
