@@ -39,6 +39,7 @@ from piecegraph.bench.auto_mode import prepare_auto
 from piecegraph.bench.baked import NOTE as BAKED_NOTE
 from piecegraph.bench.baked import BakedGraph
 from piecegraph.bench.harness import sync
+from piecegraph.graphs.capture import release_compiled
 
 # Slowest to compile last: a sweep cut short by a time limit loses the baselines, not piecegraph's modes.
 GPU_MODES = ("eager", "full", "full-compiled", "full-static", "full-pieces", "piecewise", "piecewise-static",
@@ -205,11 +206,6 @@ def prepare(name: str, model: torch.nn.Module, decode_sizes: Sequence[int], pref
 
 
 def release() -> None:
-    """Free the last mode's graphs and compiled code (drop your references first), so each mode starts alike."""
-    import gc
-
-    gc.collect()
-    # Dynamo caches per code object: without a reset, torch.compile modes share recompile budgets and cache.
-    torch._dynamo.reset()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Free the last mode's graphs and compiled code (drop your references first), so each mode starts alike;
+    Dynamo's caches are reset too: without that, torch.compile modes share recompile budgets and cache."""
+    release_compiled()

@@ -327,3 +327,17 @@ def timed_capture(fn: Callable[[], Any]) -> tuple[Any, float]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return result, time.perf_counter() - start
+
+
+def release_compiled() -> None:
+    """Free what the last dropped module held (graphs, compiled code, device memory), so the next one starts
+    alike: Dynamo's caches are reset first, then a garbage collection, then torch's cached blocks go back to the
+    device. In that order because a reset can leave the modules it held in reference cycles that only a
+    collection frees; collected before the reset, they stayed alive (device memory included) until some later
+    collection, and an allocation that needs that memory before then runs out. Drop your references first."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -19,8 +19,9 @@ assumed: ``"full"``, ``"piecewise"``, ``"breakable"``, ``"none"`` (compiled, no 
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -175,21 +176,55 @@ class Executor:
 
 def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, overlap: bool = True,
                  repeats: int = 5) -> float:
-    """Milliseconds of one decode step of ``n`` pad rows through ``module`` (its graphs, already captured), on
-    dummy decode steps that touch the scratch page only, each step with its own metadata and attention plan,
-    timed as the engine's loop runs it. ``overlap`` (the default loop): steps back to back
-    (:func:`~piecegraph.graphs.capture.pipelined_ms`): the slower of host and device per step. ``overlap=False``
-    (the synchronous loop): each step alone, its host work, launches and device time in series
+    """Milliseconds of one decode step of ``n`` rows through ``module`` (its graphs, already captured), each step
+    with its own metadata and attention plan, timed as the engine's loop runs it. ``overlap`` (the default loop):
+    steps back to back (:func:`~piecegraph.graphs.capture.pipelined_ms`): the slower of host and device per step.
+    ``overlap=False`` (the synchronous loop): each step alone, its host work, launches and device time in series
     (:func:`~piecegraph.graphs.capture.time_ms`). A step timed on metadata built beforehand hid the host work:
     measured 1.65 ms piecewise against full's 1.73 at 16 rows, auto replayed it at c=10 and served 2.7k tok/s where
     full graphs served 4.7k (H200, stop 36); the synchronous auto replayed piecewise at every size of a c=1 run
-    (260 tok/s, stop 37)."""
+    (260 tok/s, stop 37).
 
-    def step(_: int) -> None:
-        args, meta = dummy_inputs(model, cache, n)
-        with forward_context(meta):
-            module(*args)
+    The rows differ as a served batch's do (:func:`timing_rows`): on pad rows, which all read the one scratch slot,
+    every row of a mixture of experts routed alike, to 4 of 60 experts, and a 16-row step timed 4.8 ms where
+    served steps of 10 rows took ~10 ms (FP8 Qwen1.5-MoE shape, H200, stop 40). The pages it takes are freed."""
+    with timing_rows(model, cache, n) as make:
 
-    if not overlap:
-        return time_ms(step, warmup=1, repeats=repeats)
-    return pipelined_ms(step, repeats=2 * repeats)
+        def step(_: int) -> None:
+            args, meta = make()
+            with forward_context(meta):
+                module(*args)
+
+        if not overlap:
+            return time_ms(step, warmup=1, repeats=repeats)
+        return pipelined_ms(step, repeats=2 * repeats)
+
+
+@contextlib.contextmanager
+def timing_rows(model: torch.nn.Module, cache: Any, n: int) -> Iterator[Callable[[], tuple[Any, Any]]]:
+    """A maker of ``((input_ids, positions), meta)`` for a decode step of ``n`` distinct rows: each its own
+    sequence of one token (a token id drawn from the vocabulary, :func:`varied_ids`) on a page of its own, so each
+    attends to its own key and value and a router sends the rows where their tokens lead. With fewer than ``n``
+    free pages: pad rows on the scratch page (:func:`~piecegraph.models.generate.dummy_inputs`). Each call builds
+    new metadata (the host work of a step); the sequences are freed on exit."""
+    seqs = [(("auto-timing", i), 0, 1) for i in range(n)]
+    if cache.num_free_pages < n or any(cache.capacity(s) for s, _, _ in seqs):
+        yield lambda: dummy_inputs(model, cache, n)
+        return
+    ids = varied_ids(n, model.config.vocab_size, cache.device)
+    cache.reserve([(s, 1) for s, _, _ in seqs])
+    try:
+        def make() -> tuple[Any, Any]:
+            meta = AttentionMetadata.for_batch(cache, seqs)
+            return (ids, meta.positions), meta
+
+        yield make
+    finally:
+        for seq, _, _ in seqs:
+            cache.free(seq)
+
+
+def varied_ids(n: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``n`` token ids drawn from the whole vocabulary (fixed seed)."""
+    gen = torch.Generator().manual_seed(n)
+    return torch.randint(vocab_size, (n,), generator=gen, dtype=torch.int64).to(device)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from piecegraph.attention.metadata import AttentionMetadata
+from piecegraph.attention.pages import pages_for
 from piecegraph.context import forward_context
 from piecegraph.graphs.capture import pipelined_ms
 
@@ -22,20 +23,33 @@ StepTimer = Callable[[str, int, int], float]  # (kind "decode" | "prefill", rows
 
 
 def estimate(work: Sequence[tuple[Sequence[int], int]], concurrency: int, timer: StepTimer,
-             budget: int) -> dict[str, Any]:
+             budget: int, fits: Callable[[int], int] | None = None) -> dict[str, Any]:
     """GPU-bound output tok/s of ``work`` (``(prompt, max_new_tokens)`` pairs, no EOS) at ``concurrency``:
     prompt tokens at the prefill rate of a ``budget``-token step, then ``sum(outputs - 1) / rows`` decode steps
-    of ``rows = min(concurrency, len(work))`` rows at the mean context."""
+    of ``rows = min(concurrency, len(work), fits(context))`` rows at the mean context. ``fits(context)``: how many
+    sequences of that context the engine runs at once (its KV pages and ``max_num_seqs``; ``None``: no limit);
+    without it a concurrency beyond the cache's room failed to reserve its rows (stop 40, c=1024)."""
     prompts = sum(len(p) for p, _ in work)
     outputs = sum(n for _, n in work)
-    rows = max(1, min(concurrency, len(work)))
     context = round(prompts / len(work) + outputs / len(work) / 2)
+    rows = max(1, min(concurrency, len(work), fits(context) if fits else len(work)))
     decode_ms = timer("decode", rows, context)
     prefill_ms_per_token = timer("prefill", budget, 0) / budget
     gpu_s = (prompts * prefill_ms_per_token + math.ceil(sum(n - 1 for _, n in work) / rows) * decode_ms) / 1e3
     return {"concurrency": concurrency, "gpu_bound_output_tok_s": outputs / gpu_s if gpu_s else None,
             "decode_step_ms": decode_ms, "decode_rows": rows, "context": context,
             "prefill_us_per_token": 1e3 * prefill_ms_per_token}
+
+
+def engine_fits(engine: Any) -> Callable[[int], int]:
+    """How many sequences of ``context`` tokens (and the one being decoded) ``engine`` can run at once: its idle
+    cache's free pages over the pages each needs, at most ``max_num_seqs``."""
+    cache = engine.cache
+
+    def fits(context: int) -> int:
+        return min(engine.config.max_num_seqs, cache.num_free_pages // pages_for(context + 1, cache.page_size))
+
+    return fits
 
 
 def engine_timer(engine: Any, repeats: int = 8) -> StepTimer:

@@ -10,7 +10,6 @@ piecewise module's trace and compiles by pieces (``share_trace=True``, ``full_co
 
 from __future__ import annotations
 
-import gc
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -18,11 +17,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from piecegraph.graphs.capture import release_compiled
 from piecegraph.serve.bench import Workload, decode_reference, measure, median_run, requests_for
 from piecegraph.serve.config import ENGINE_MODES, EngineConfig
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.executor import Progress
-from piecegraph.serve.gpu_bound import engine_timer, estimate
+from piecegraph.serve.gpu_bound import engine_fits, engine_timer, estimate
 
 SYNC_SUFFIX = "-sync"
 # auto's variant rows: the synchronous loop, the frozen heap, the full module from the shared trace by pieces
@@ -102,10 +102,10 @@ def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str],
 def _gpu_bound(engine: Engine, works: dict[int, Any], plan: Plan, log: Callable[[str], None]
                ) -> list[dict[str, Any]]:
     """The GPU-bound estimate per concurrency (an error is logged and leaves the list short: it is a side note)."""
-    timer, out = engine_timer(engine), []
+    timer, fits, out = engine_timer(engine), engine_fits(engine), []
     for c, work in works.items():
         try:
-            out.append(estimate(work, c, timer, plan.engine.max_num_batched_tokens))
+            out.append(estimate(work, c, timer, plan.engine.max_num_batched_tokens, fits))
         except Exception as exc:  # noqa: BLE001  (an estimate must not lose the measured rows)
             log(f"GPU-bound estimate at c={c} failed: {type(exc).__name__}: {exc}")
             continue
@@ -148,11 +148,9 @@ def run_sweep(model: torch.nn.Module, plan: Plan, log: Callable[[str], None] = p
 
 
 def release() -> None:
-    """Free the last engine's graphs and compiled code, so each mode starts alike."""
-    gc.collect()
-    torch._dynamo.reset()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Free the last engine's graphs, compiled code and KV cache, so each mode starts alike
+    (:func:`~piecegraph.graphs.capture.release_compiled`)."""
+    release_compiled()
 
 
 def rows_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -347,6 +347,84 @@ def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     assert engine.cache.sequences() == [] and engine.cache.num_free_pages == engine.cache.num_pages - 1
 
 
+def test_auto_times_decode_steps_on_rows_that_spread_over_a_routers_experts():
+    """Auto's timing rows differ as served rows do: each its own token and page, so through a mixture of experts
+    they reach more experts than pad rows (all reading the one scratch slot: one top-k set for every row) do, as a
+    served batch's rows would (the FP8 MoE's 16-row step timed 4.8 ms on pad rows against ~10 ms served, stop 40).
+    With too few free pages it falls back to pad rows; either way the cache ends as it began."""
+    from piecegraph.context import forward_context
+    from piecegraph.models.moe import MoEDecoder
+    from piecegraph.models.moe_config import TINY_MOE
+    from piecegraph.serve import executor
+
+    moe = MoEDecoder.random(TINY_MOE, seed=1).eval()
+    engine = Engine(moe, _config("auto", num_pages=40))
+    cache, chosen, seen = engine.cache, [], []
+    experts = moe.model.layers[0].mlp.experts  # forward(x, ids [T, k], weights): the ids the router chose
+    hook = experts.register_forward_pre_hook(lambda mod, args: chosen.append(args[1]))
+
+    def module(ids, positions):
+        seen.append(ids)
+        return moe(ids, positions)
+
+    try:
+        with torch.no_grad():
+            executor.time_replays(module, moe, cache, 16, overlap=False, repeats=1)
+            varied = chosen[-1]
+            pad = executor.dummy_inputs(moe, cache, 16)
+            with forward_context(pad[1]):
+                moe(*pad[0])
+            alike = chosen[-1]
+            executor.time_replays(module, moe, cache, 64, overlap=False, repeats=1)  # 64 rows > 39 free pages
+    finally:
+        hook.remove()
+    assert torch.equal(seen[0], executor.varied_ids(16, TINY_MOE.vocab_size, cache.device))
+    assert len(set(alike.flatten().tolist())) == TINY_MOE.top_k < len(set(varied.flatten().tolist()))
+    assert torch.equal(seen[-1], torch.zeros(64, dtype=torch.int64))  # the fallback: pad rows
+    assert cache.sequences() == [] and cache.num_free_pages == cache.num_pages - 1
+
+
+def test_gpu_bound_estimate_runs_only_the_rows_the_cache_holds(model):
+    """A concurrency beyond the cache's room is estimated at the rows that fit at the mean context (the engine
+    runs no more at once), not refused: at c=1024 the FP8 MoE's 30,000 pages failed to reserve 1024 rows."""
+    from piecegraph.serve.gpu_bound import engine_fits, engine_timer, estimate
+
+    engine = Engine(model, _config("auto", num_pages=15))  # 14 free pages of 4 tokens
+    fits = engine_fits(engine)
+    assert fits(10) == 4 and fits(14) == 3 and fits(3) == 4  # 3 pages each; 4 pages each; max_num_seqs=4
+    work = [([1] * 12, 5)] * 8  # mean context 14: 4 pages a row, so 3 rows at once
+    got = estimate(work, 8, engine_timer(engine, repeats=1), 16, fits)
+    assert got["decode_rows"] == 3 and got["gpu_bound_output_tok_s"] > 0
+    assert estimate(work, 8, lambda kind, n, context: 1.0, 16)["decode_rows"] == 8  # no limit given: as before
+    assert engine.cache.sequences() == [] and engine.cache.num_free_pages == 14
+
+
+def test_release_frees_what_dynamos_reset_leaves_in_reference_cycles(monkeypatch):
+    """An engine Dynamo's caches held until the reset, in a reference cycle: freed by the time the next mode
+    starts. Collected before the reset (as before stop 40) it stayed alive until some later collection, and an FP8
+    MoE engine's KV cache allocation ran out beside the previous mode's 88 GiB."""
+    import gc
+    import weakref
+
+    from piecegraph.serve.sweep import release
+
+    class Held:
+        pass
+
+    engine = Held()
+    engine.cycle, engine.cache = engine, torch.zeros(8)
+    dynamo_caches = [engine]
+    alive = weakref.ref(engine.cache)
+    del engine
+    monkeypatch.setattr(torch._dynamo, "reset", dynamo_caches.clear)
+    gc.disable()  # only release's own collection may free it
+    try:
+        release()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 @settings(max_examples=60, deadline=None)
 @given(vocab=st.integers(2, 40), seed=st.integers(0, 2**16), top_p=st.floats(0.01, 1.0), spread=st.floats(0.1, 8.0))
 def test_nucleus_keeps_exactly_the_most_likely_tokens_reaching_top_p(vocab, seed, top_p, spread):
@@ -446,8 +524,9 @@ def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlap
 
     engine = Engine(model, _config("auto", num_pages=15))
     built = []
-    dummy = executor.dummy_inputs
-    monkeypatch.setattr(executor, "dummy_inputs", lambda *a: built.append(a[-1]) or dummy(*a))
+    for_batch = executor.AttentionMetadata.for_batch
+    monkeypatch.setattr(executor.AttentionMetadata, "for_batch",
+                        lambda cache, seqs: built.append(len(seqs)) or for_batch(cache, seqs))
     seen = {}
     monkeypatch.setattr(executor, "pipelined_ms", lambda step, repeats: seen.setdefault("pipelined", step(0)) or 1.0)
     monkeypatch.setattr(executor, "time_ms", lambda step, warmup, repeats: seen.setdefault("alone", step(0)) or 2.0)
