@@ -22,7 +22,7 @@
 # "fused-moe-build" (issue 23) times FlashInfer's sm90 cutlass_fused_moe build for PROBE_S seconds and estimates the
 # rest (scripts/fused_moe_build_probe.py; run it last: its nvcc jobs take every core). "moe" (issue 23) benches
 # the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC;
-# MOE_SERVE_ARGS: more serve-bench options, e.g. --num-pages 30000 so that breakable's graphs fit beside the cache). "http" (issue 25) serves the 0.5B shape with
+# MOE_SERVE_ARGS: more serve-bench options, e.g. --num-pages 30000: one KV cache size for every mode). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
 # fresh check; HTTP_NO_TOKENS=1: no token checks, throughput only; HTTP_SERVE_ARGS: more serve options, e.g. --cache;

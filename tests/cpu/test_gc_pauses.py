@@ -62,7 +62,9 @@ def test_frozen_heap_leaves_a_frozen_heap_and_a_disabled_one_alone():
     frozen = gc.get_freeze_count()
     with frozen_heap():
         Node()
-    assert gc.get_freeze_count() == frozen  # not unfrozen by us
+    # not unfrozen by us (that leaves 0), nor frozen again (the new Node would add to it); a frozen object whose
+    # last reference goes meanwhile lowers the count by one (CI saw 2 of 1.5 million go), so not exactly equal
+    assert frozen - 1000 <= gc.get_freeze_count() <= frozen
 
 
 @pytest.mark.parametrize("freeze", [True, False])
