@@ -146,6 +146,11 @@ class KVCache:
                 self._writes[row, len(table)] = self._free[-1]
                 table.append(self._free.pop())
 
+    def discard(self, seq: Hashable) -> int:
+        """Release the pages of ``seq`` when it holds any (:meth:`free`); returns how many, 0 for a sequence
+        without pages: the clean-up of sequences a step may or may not have reserved."""
+        return self.free(seq) if self.capacity(seq) else 0
+
     def free(self, seq: Hashable) -> int:
         """Release every page of ``seq``; returns how many. Unknown sequences raise ``KeyError``."""
         if seq not in self._tables:

@@ -212,16 +212,15 @@ def timing_rows(model: torch.nn.Module, cache: Any, n: int) -> Iterator[Callable
         yield lambda: dummy_inputs(model, cache, n)
         return
     ids = varied_ids(n, model.config.vocab_size, cache.device)
-    cache.reserve([(s, 1) for s, _, _ in seqs])
     try:
         def make() -> tuple[Any, Any]:
-            meta = AttentionMetadata.for_batch(cache, seqs)
+            meta = AttentionMetadata.for_batch(cache, seqs)  # reserves each row's page on the first call
             return (ids, meta.positions), meta
 
         yield make
     finally:
         for seq, _, _ in seqs:
-            cache.free(seq)
+            cache.discard(seq)
 
 
 def varied_ids(n: int, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -83,7 +83,6 @@ def engine_timer(engine: Any, repeats: int = 8) -> StepTimer:
             return pipelined_ms(step, warmup=1, repeats=repeats)
         finally:
             for seq, _, _ in seqs:
-                if cache.capacity(seq):
-                    cache.free(seq)
+                cache.discard(seq)
 
     return timer

@@ -92,7 +92,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status, request.inflight = Status.FINISHED, 0
-        self._release(request.id)
+        self.cache.discard(request.id)
 
     def abort(self, request: Request) -> None:
         """Take a waiting or running request out of its queue between steps, free its pages at once and finish
@@ -158,7 +158,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free ``request``'s pages and queue it first in line, to be prefilled again (prompt + outputs)."""
         self.running.remove(request)
-        self._release(request.id)
+        self.cache.discard(request.id)
         request.num_computed = 0
         request.preemptions += 1
         request.status = Status.WAITING
@@ -167,7 +167,3 @@ class Scheduler:
 
     def _pages_needed(self, seq: Hashable, total: int) -> int:
         return max(0, pages_for(total, self.cache.page_size) - self.cache.num_pages_held(seq))
-
-    def _release(self, seq: Hashable) -> None:
-        if self.cache.capacity(seq):
-            self.cache.free(seq)

@@ -159,6 +159,9 @@ def test_running_out_of_pages_is_clear_and_frees_nothing():
     assert cache.free("kept") == 3 and cache.num_free_pages == 8
     with pytest.raises(KeyError, match="'kept' has no pages"):
         cache.free("kept")
+    AttentionMetadata.for_batch(cache, [("again", 0, 5)])  # 2 pages
+    assert cache.discard("again") == 2 and cache.num_free_pages == 8  # what free does, for one with pages
+    assert cache.discard("kept") == 0 and cache.num_free_pages == 8 and cache.sequences() == []  # no pages: none
 
 
 def test_metadata_errors_name_the_problem():
