@@ -384,6 +384,29 @@ def test_auto_times_decode_steps_on_rows_that_spread_over_a_routers_experts():
     assert cache.sequences() == [] and cache.num_free_pages == cache.num_pages - 1
 
 
+def test_auto_timing_rows_attend_over_half_the_max_seq_len_as_far_as_free_pages_allow(model):
+    """Each timing row holds half of max_seq_len cached tokens (its position), fewer when the free pages cannot
+    give every row that many, pad rows when they cannot give each row a page; the pages come back either way. On
+    one-token rows auto picked full graphs that served the FP8 MoE's c=10 3% slower (stop 41)."""
+    from piecegraph.serve import executor
+
+    engine = Engine(model, _config("auto", num_pages=40, max_seq_len=24))  # 39 free pages of 4 tokens
+    cache = engine.cache
+    expected = {2: 12, 8: 12, 16: 7, 39: 3, 40: None}  # rows -> cached tokens (min(24 // 2, pages/row * 4 - 1))
+    for rows, context in expected.items():
+        with executor.timing_rows(model, cache, rows) as make:
+            (ids, positions), meta = make()
+            held = cache.num_free_pages
+            make()  # a second step reserves nothing more
+            assert cache.num_free_pages == held
+        if context is None:
+            assert torch.equal(ids, torch.zeros(rows, dtype=torch.int64))  # pad rows on the scratch page
+        else:
+            assert positions.tolist() == [context] * rows, rows
+            assert held == 39 - rows * (context // PAGE_SIZE + 1)
+        assert cache.sequences() == [] and cache.num_free_pages == 39
+
+
 def test_gpu_bound_estimate_runs_only_the_rows_the_cache_holds(model):
     """A concurrency beyond the cache's room is estimated at the rows that fit at the mean context (the engine
     runs no more at once), not refused: at c=1024 the FP8 MoE's 30,000 pages failed to reserve 1024 rows."""
