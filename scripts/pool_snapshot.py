@@ -2,7 +2,10 @@
 within 10% on the dense 0.5B shape, but 140 MB against a 338 MB pool on the FP8 MoE). One capture size of a preset
 is captured under torch's allocation history; the allocations that land in the graph pool's segments are grouped
 by their innermost frame in piecegraph, Inductor's generated code or the model, and printed and written with
-their bytes, beside ``stats()["graph_memory"]``. CUDA only.
+their bytes, beside ``stats()["graph_memory"]``. A first, unrecorded capture builds the JIT kernels and fills
+Inductor's cache; its pool stays, so ``pool_segments_bytes`` counts both pools (``pool_bytes`` is the recorded
+module's). The sums are of every allocation made in the pool during the capture (freed blocks are reused), not
+a peak. CUDA only.
 
     python scripts/pool_snapshot.py OUT.json [MODEL] [QUANT] [SIZE]     (defaults: qwen1.5-moe-a2.7b fp8 2048)
 """

@@ -104,7 +104,7 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
     if not hints:  # a static trace: its token count is read off Dynamo's sources, which a snapshot does not keep
         return None
     graph = _live_copy(gm.graph)
-    kept = [(n.op, _target(n), {k: n.meta[k] for k in _KEPT_META if k in n.meta}) for n in graph.nodes]
+    kept = [(n.op, _target(n), _kept_meta(n)) for n in graph.nodes]
     try:
         code = pickle.dumps(torch.fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__))
         node_meta = pickle.dumps(kept)
@@ -112,6 +112,25 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
         return None
     paths = {path for _, _, meta in kept for path in _FILE.findall(meta.get("stack_trace") or "")}
     return GraphSnapshot(code, placeholders, hints, node_meta, {path: _file_digest(path) for path in sorted(paths)})
+
+
+def _kept_meta(node: torch.fx.Node) -> dict[str, Any]:
+    """The node's :data:`_KEPT_META`, each module stack entry's class kept as is unless pickle cannot name it."""
+    meta = {k: node.meta[k] for k in _KEPT_META if k in node.meta}
+    if meta.get("nn_module_stack"):
+        meta["nn_module_stack"] = {key: _nameable(entry) for key, entry in meta["nn_module_stack"].items()}
+    return meta
+
+
+def _nameable(entry: Any) -> Any:
+    """A module stack entry ``(path, class)`` whose class was defined inside a function (pickle cannot import it:
+    transformers 5.25 wraps functions such as ``apply_rotary_pos_emb`` in such classes) with the class's
+    qualified name instead. Only a class can declare ``piecegraph_padding_safe``, so its nodes are checked for
+    token mixing as any other's after a restore: stricter, never looser."""
+    if isinstance(entry, tuple) and len(entry) > 1 and isinstance(entry[1], type) \
+            and "<locals>" in entry[1].__qualname__:
+        return (entry[0], f"{entry[1].__module__}.{entry[1].__qualname__}", *entry[2:])
+    return entry
 
 
 _FILE = re.compile(r'File "([^"]+)", line \d+')

@@ -162,6 +162,27 @@ def test_a_loaded_program_keeps_what_modules_declare_about_padding(root):
     assert generate(model, PROMPTS, 4, cache=cache, prefill_fn=graphed) == generate(model, PROMPTS, 4)
 
 
+def test_a_module_class_defined_inside_a_function_still_leaves_a_loadable_trace(root):
+    """Dynamo's module stack names each module's class; one defined inside a function cannot be pickled by name
+    (transformers 5.25 wraps functions such as apply_rotary_pos_emb in such classes), and the trace was then not
+    kept: every start traced again. The class is kept by name; the program loads and equals eager."""
+
+    class Wrapped(torch.nn.Module):  # defined here: its qualified name holds "<locals>"
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    model = Decoder.random(TINY, seed=5).eval()
+    model.model.norm = Wrapped(model.model.norm)
+    starts = [_start(root, "piecewise", model) for _ in range(2)]
+    assert [s[2].stats()["startup"]["trace"] for s in starts] == ["traced", "loaded"]
+    _, cache, warm, _ = starts[1]
+    assert generate(model, PROMPTS, 4, cache=cache, prefill_fn=warm) == generate(model, PROMPTS, 4)
+
+
 def test_an_engines_second_start_loads_both_modules_and_serves_the_same_tokens(root):
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
