@@ -124,7 +124,8 @@ def _kept_meta(node: torch.fx.Node) -> dict[str, Any]:
 
 def _nameable(entry: Any) -> Any:
     """A module stack entry ``(path, class)`` whose class was defined inside a function (pickle cannot import it:
-    transformers 5.25 wraps functions such as ``apply_rotary_pos_emb`` in such classes) with the class's
+    transformers 5.25, through the ``kernels`` package it now requires, wraps functions such as
+    ``apply_rotary_pos_emb`` in such classes) with the class's
     qualified name instead. Only a class can declare ``piecegraph_padding_safe``, so its nodes are checked for
     token mixing as any other's after a restore: stricter, never looser."""
     if isinstance(entry, tuple) and len(entry) > 1 and isinstance(entry[1], type) \

@@ -164,7 +164,7 @@ def test_a_loaded_program_keeps_what_modules_declare_about_padding(root):
 
 def test_a_module_class_defined_inside_a_function_still_leaves_a_loadable_trace(root):
     """Dynamo's module stack names each module's class; one defined inside a function cannot be pickled by name
-    (transformers 5.25 wraps functions such as apply_rotary_pos_emb in such classes), and the trace was then not
+    (transformers 5.25 wraps apply_rotary_pos_emb in one, made by the kernels package), and the trace was then not
     kept: every start traced again. The class is kept by name; the program loads and equals eager."""
 
     class Wrapped(torch.nn.Module):  # defined here: its qualified name holds "<locals>"
