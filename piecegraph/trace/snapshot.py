@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 import operator
 import pickle
 import re
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 FORMAT = 1
+log = logging.getLogger("piecegraph")
 _KEPT_META = ("nn_module_stack", "stack_trace")  # what later stages read of Dynamo's per-node metadata
 
 
@@ -108,7 +110,9 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
     try:
         code = pickle.dumps(torch.fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__))
         node_meta = pickle.dumps(kept)
-    except Exception:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
+    except Exception as err:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
+        log.warning("piecegraph: the traced program cannot be kept for reuse (%s: %s); a warm start, or a second "
+                    "module sharing this trace, traces the model again", type(err).__name__, err)
         return None
     paths = {path for _, _, meta in kept for path in _FILE.findall(meta.get("stack_trace") or "")}
     return GraphSnapshot(code, placeholders, hints, node_meta, {path: _file_digest(path) for path in sorted(paths)})
@@ -125,9 +129,9 @@ def _kept_meta(node: torch.fx.Node) -> dict[str, Any]:
 def _nameable(entry: Any) -> Any:
     """A module stack entry ``(path, class)`` whose class was defined inside a function (pickle cannot import it:
     transformers 5.25, through the ``kernels`` package it now requires, wraps functions such as
-    ``apply_rotary_pos_emb`` in such classes) with the class's
-    qualified name instead. Only a class can declare ``piecegraph_padding_safe``, so its nodes are checked for
-    token mixing as any other's after a restore: stricter, never looser."""
+    ``apply_rotary_pos_emb`` in such classes) with the class's qualified name instead. Only a class can declare
+    ``piecegraph_padding_safe``, so its nodes are checked for token mixing as any other's after a restore:
+    stricter, never looser."""
     if isinstance(entry, tuple) and len(entry) > 1 and isinstance(entry[1], type) \
             and "<locals>" in entry[1].__qualname__:
         return (entry[0], f"{entry[1].__module__}.{entry[1].__qualname__}", *entry[2:])
