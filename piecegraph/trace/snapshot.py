@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .values import ValueBuilder, value_specs
+
 FORMAT = 1
 log = logging.getLogger("piecegraph")
 _KEPT_META = ("nn_module_stack", "stack_trace")  # what later stages read of Dynamo's per-node metadata
@@ -65,6 +67,7 @@ class GraphSnapshot:
     hints: dict[str, int]
     node_meta: bytes = b""  # per node in order: (op, target, {"nn_module_stack": ..., "stack_trace": ...}), pickled
     files: dict[str, str] = field(default_factory=dict)  # each source file the stack traces name: its sha256
+    values: bytes = b""  # the nodes' fake values as specs (trace/values.py), pickled; empty: propagate fakes
     format: int = FORMAT
 
 
@@ -110,12 +113,15 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
     try:
         code = pickle.dumps(torch.fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__))
         node_meta = pickle.dumps(kept)
+        specs = value_specs(list(graph.nodes), set(hints))
+        values = b"" if specs is None else pickle.dumps(specs)
     except Exception as err:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
         log.warning("piecegraph: the traced program cannot be kept for reuse (%s: %s); a warm start, or a second "
                     "module sharing this trace, traces the model again", type(err).__name__, err)
         return None
     paths = {path for _, _, meta in kept for path in _FILE.findall(meta.get("stack_trace") or "")}
-    return GraphSnapshot(code, placeholders, hints, node_meta, {path: _file_digest(path) for path in sorted(paths)})
+    return GraphSnapshot(code, placeholders, hints, node_meta, {path: _file_digest(path) for path in sorted(paths)},
+                         values)
 
 
 def _kept_meta(node: torch.fx.Node) -> dict[str, Any]:
@@ -252,7 +258,8 @@ def op_writes_count(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[Any]]:
     """The graph of ``snapshot`` with fresh fakes on its nodes (``meta["example_value"]``, symbolic token
-    counts in a new shape env) and the placeholders' fakes, in order. Raises ``ValueError`` on a snapshot of
+    counts in a new shape env: rebuilt from the snapshot's value specs, or propagated through the graph where it
+    has none) and the placeholders' fakes, in order. Raises ``ValueError`` on a snapshot of
     another format."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -292,10 +299,15 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
             shape = [symbols[s] if isinstance(s, str) else s for s in entry.shape]
             fakes.append(torch.empty(shape, dtype=entry.dtype, device=entry.device).requires_grad_(
                 entry.requires_grad))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    specs = pickle.loads(snapshot.values) if snapshot.values else None
+    if specs is not None and len(specs) == len(nodes):  # the values as traced: no run of the graph on fakes
+        ValueBuilder(env, mode, symbols, snapshot.hints).put_back(nodes, specs)
+    else:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     for node, entry, fake in zip(placeholders, snapshot.placeholders, fakes):
         node.meta["example_value"] = fake
+        node.meta.setdefault("val", fake.detach() if isinstance(fake, torch.Tensor) else fake)  # as propagated
         node.meta["grapharg"] = _Arg(_Source(entry.source))
         if entry.module_state:
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}

@@ -314,3 +314,57 @@ def test_static_compile_sizes_build_from_the_cache_and_equal_eager(root):
             torch.testing.assert_close(graphed(x, torch.arange(5)), model(x, torch.arange(5)), rtol=1e-5, atol=1e-5)
         traces.append(graphed.stats()["startup"]["trace"])
     assert traces == ["traced", "loaded"]
+
+
+def _traced_snapshot(model: torch.nn.Module, n: int):
+    from piecegraph.attention import AttentionMetadata
+
+    cache = KVCache.for_sequences(model.config, 2, 48)
+    meta = AttentionMetadata.for_batch(cache, [(0, 0, n)])
+    values = {"input_ids": torch.arange(n) % model.config.vocab_size, "positions": meta.positions}
+    snapshots: list = []
+    with forward_context(meta), torch.no_grad():
+        trace_model(model, values, Config(mode="piecewise", compiler="eager", capture_sizes=(8,),
+                                          emulate_graphs=True), [], snapshots=snapshots)
+    return snapshots[-1]
+
+
+def _described(value):
+    """A fake value as text: sizes and strides as their expressions, dtype, requires_grad."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", [str(s) for s in value.shape], [str(s) for s in value.stride()], value.dtype,
+                value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return [_described(v) for v in value]
+    return str(value)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe-fp8", "hf-llama"])
+def test_restored_values_equal_the_values_fakes_propagate_to(which):
+    """A warm start rebuilds each node's fake value from the snapshot's specs instead of running the graph on
+    fakes (FakeTensorProp: ~75% of a restore). The independent reference is that propagation itself: every
+    node's shape, strides (as expressions in the same symbols), dtype and requires_grad agree."""
+    import dataclasses
+
+    from piecegraph.models import TINY_MOE, MoEDecoder, quantize_fp8
+    from piecegraph.trace.snapshot import restore_graph
+
+    if which == "dense":
+        model = Decoder.random(TINY, seed=0).eval()
+    elif which == "moe-fp8":
+        model = quantize_fp8(MoEDecoder.random(TINY_MOE, seed=0).eval(), kernel="torch")
+    else:
+        from test_hf import tiny
+
+        model = piecegraph.hf.HFDecoder(tiny("llama"))
+    snapshot = _traced_snapshot(model, 7)
+    assert snapshot is not None and snapshot.values  # the fast path is taken for this model
+    fast, _ = restore_graph(snapshot)
+    slow, _ = restore_graph(dataclasses.replace(snapshot, values=b""))
+    pairs = list(zip(fast.graph.nodes, slow.graph.nodes))
+    assert len(pairs) == len(slow.graph.nodes) > 50
+    for a, b in pairs:
+        for key in ("example_value", "val"):
+            assert (key in a.meta) == (key in b.meta), (a.name, key)
+            if key in a.meta:
+                assert _described(a.meta[key]) == _described(b.meta[key]), (a.name, a.target)
