@@ -368,3 +368,32 @@ def test_restored_values_equal_the_values_fakes_propagate_to(which):
             assert (key in a.meta) == (key in b.meta), (a.name, key)
             if key in a.meta:
                 assert _described(a.meta[key]) == _described(b.meta[key]), (a.name, a.target)
+
+
+def test_a_value_no_spec_can_state_leaves_the_restore_to_the_propagation():
+    """Specs state tensors whose sizes are polynomials in the trace's symbols, SymInts, constants and sequences;
+    a floor division, a foreign symbol or an object makes the whole graph's specs None (the restore then
+    propagates fakes, as before)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from piecegraph.trace.values import value_specs
+
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(8, ConstantSource("n")), hint=8)
+    name = str(s.node.expr)
+    gm = torch.fx.symbolic_trace(lambda a: a * 2)
+    node = [n for n in gm.graph.nodes if n.op == "call_function"][0]
+    with FakeTensorMode(shape_env=env):
+        cases = {"polynomial": (torch.empty(2 * s + 1, 4), True), "symint": (s * s, True),
+                 "sequence": ((torch.empty(s), 3, None), True), "floor division": (torch.empty(s // 3), False),
+                 "object": (object(), False)}
+    for case, (value, stated) in cases.items():
+        node.meta["example_value"] = value
+        assert (value_specs(list(gm.graph.nodes), {name}) is not None) == stated, case
+    node.meta["example_value"] = torch.empty(4)
+    assert value_specs(list(gm.graph.nodes), set()) is not None
+    with FakeTensorMode(shape_env=env):
+        node.meta["example_value"] = torch.empty(s)
+    assert value_specs(list(gm.graph.nodes), set()) is None  # a symbol the trace's inputs do not hold
