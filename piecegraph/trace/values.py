@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import sympy
 import torch
 
 _ABSENT = ("absent",)
@@ -61,6 +60,8 @@ def _size(size: Any, symbols: set[str]) -> int | str:
     """An int, or the polynomial over ``symbols`` a symbolic size is, as text."""
     if not isinstance(size, torch.SymInt):
         return int(size)
+    import sympy  # here, not at import: ``import piecegraph`` leaves sympy to the first compile
+
     expr = size.node.expr
     if expr.is_number:
         return int(expr)
@@ -75,6 +76,8 @@ class ValueBuilder:
     env}``; ``hints``: each name's example value)."""
 
     def __init__(self, env: Any, mode: Any, symbols: dict[str, torch.SymInt], hints: dict[str, int]) -> None:
+        import sympy
+
         self.env, self.mode, self.symbols = env, mode, symbols
         self.names = {name: sympy.Symbol(name, integer=True) for name in symbols}
         self.restored = {self.names[name]: s.node.expr for name, s in symbols.items()}
@@ -111,6 +114,8 @@ class ValueBuilder:
         if isinstance(size, int):
             return size
         if size not in self.sizes:  # a polynomial: the same expression over the restored symbols
+            import sympy
+
             expr = sympy.sympify(size, locals=self.names)
             hint = int(expr.xreplace(self.hints))
             self.sizes[size] = self.env.create_symintnode(expr.xreplace(self.restored), hint=hint)
