@@ -113,12 +113,12 @@ def snapshot_graph(gm: torch.fx.GraphModule, fakes: list[Any], sources: list[str
     try:
         code = pickle.dumps(torch.fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__))
         node_meta = pickle.dumps(kept)
-        specs = value_specs(list(graph.nodes), set(hints))
-        values = b"" if specs is None else pickle.dumps(specs)
     except Exception as err:  # noqa: BLE001  (a target or module class pickle cannot name: trace with Dynamo instead)
         log.warning("piecegraph: the traced program cannot be kept for reuse (%s: %s); a warm start, or a second "
                     "module sharing this trace, traces the model again", type(err).__name__, err)
         return None
+    specs = value_specs(list(graph.nodes), set(hints))
+    values = b"" if specs is None else pickle.dumps(specs)
     paths = {path for _, _, meta in kept for path in _FILE.findall(meta.get("stack_trace") or "")}
     return GraphSnapshot(code, placeholders, hints, node_meta, {path: _file_digest(path) for path in sorted(paths)},
                          values)
@@ -299,10 +299,7 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
             shape = [symbols[s] if isinstance(s, str) else s for s in entry.shape]
             fakes.append(torch.empty(shape, dtype=entry.dtype, device=entry.device).requires_grad_(
                 entry.requires_grad))
-    specs = pickle.loads(snapshot.values) if snapshot.values else None
-    if specs is not None and len(specs) == len(nodes):  # the values as traced: no run of the graph on fakes
-        ValueBuilder(env, mode, symbols, snapshot.hints).put_back(nodes, specs)
-    else:
+    if not _put_back_values(snapshot, nodes, env, mode, symbols):
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     for node, entry, fake in zip(placeholders, snapshot.placeholders, fakes):
@@ -316,6 +313,22 @@ def restore_graph(snapshot: GraphSnapshot) -> tuple[torch.fx.GraphModule, list[A
         if node.op != "placeholder" and "val" in node.meta:
             node.meta.setdefault("example_value", node.meta["val"])
     return gm, fakes
+
+
+def _put_back_values(snapshot: GraphSnapshot, nodes: list[torch.fx.Node], env: Any, mode: Any,
+                     symbols: dict[str, Any]) -> bool:
+    """The nodes' values as traced, from the snapshot's specs (no run of the graph on fakes); False when it has
+    none that fit, or one could not be rebuilt: then the caller propagates fakes instead."""
+    specs = pickle.loads(snapshot.values) if snapshot.values else None
+    if specs is None or len(specs) != len(nodes):
+        return False
+    try:
+        ValueBuilder(env, mode, symbols, snapshot.hints).put_back(nodes, specs)
+    except Exception as err:  # noqa: BLE001  (the propagation that follows overwrites what was put back)
+        log.info("piecegraph: the snapshot's values could not be rebuilt (%s: %s); propagating fakes",
+                 type(err).__name__, err)
+        return False
+    return True
 
 
 def _target(node: torch.fx.Node) -> str:

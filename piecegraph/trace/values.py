@@ -31,7 +31,7 @@ def value_specs(nodes: list[torch.fx.Node], symbols: set[str]) -> list[Any] | No
     beyond what a spec states (module docstring). ``symbols``: the names of the trace's size symbols."""
     try:
         return [None if n.op == "placeholder" else _spec(_value(n), symbols) for n in nodes]
-    except _Unsupported:
+    except Exception:  # noqa: BLE001  (_Unsupported, or a value that cannot even be read: propagate instead)
         return None
 
 
@@ -78,7 +78,7 @@ class ValueBuilder:
     def __init__(self, env: Any, mode: Any, symbols: dict[str, torch.SymInt], hints: dict[str, int]) -> None:
         import sympy
 
-        self.env, self.mode, self.symbols = env, mode, symbols
+        self.env, self.mode = env, mode
         self.names = {name: sympy.Symbol(name, integer=True) for name in symbols}
         self.restored = {self.names[name]: s.node.expr for name, s in symbols.items()}
         self.hints = {self.names[name]: hint for name, hint in hints.items() if name in self.names}

@@ -343,7 +343,8 @@ def _described(value):
 def test_restored_values_equal_the_values_fakes_propagate_to(which):
     """A warm start rebuilds each node's fake value from the snapshot's specs instead of running the graph on
     fakes (FakeTensorProp: ~75% of a restore). The independent reference is that propagation itself: every
-    node's shape, strides (as expressions in the same symbols), dtype and requires_grad agree."""
+    node's shape, strides (as expressions in the same symbols), dtype and requires_grad agree. Specs that cannot
+    be rebuilt leave the restore to that propagation."""
     import dataclasses
 
     from piecegraph.models import TINY_MOE, MoEDecoder, quantize_fp8
@@ -361,8 +362,10 @@ def test_restored_values_equal_the_values_fakes_propagate_to(which):
     assert snapshot is not None and snapshot.values  # the fast path is taken for this model
     fast, _ = restore_graph(snapshot)
     slow, _ = restore_graph(dataclasses.replace(snapshot, values=b""))
-    pairs = list(zip(fast.graph.nodes, slow.graph.nodes))
-    assert len(pairs) == len(slow.graph.nodes) > 50
+    specs = pickle.loads(snapshot.values)
+    unreadable, _ = restore_graph(dataclasses.replace(snapshot, values=pickle.dumps([("?",)] * len(specs))))
+    pairs = [(a, b) for restored in (fast, unreadable) for a, b in zip(restored.graph.nodes, slow.graph.nodes)]
+    assert len(pairs) == 2 * len(slow.graph.nodes) > 100
     for a, b in pairs:
         for key in ("example_value", "val"):
             assert (key in a.meta) == (key in b.meta), (a.name, key)
