@@ -24,7 +24,8 @@
 # the FP8 MoE preset (MOE_MODEL, MOE_MODES) and serves it in FP8 and bf16 (MOE_QUANTS, MOE_SERVE_MODES, SERVE_CONC;
 # MOE_SERVE_ARGS: more serve-bench options, e.g. --num-pages 30000: one KV cache size for every mode);
 # "moe-profile" sums an MoE decode step's kernels by kind, FP8 against bf16 (scripts/moe_step_profile.py;
-# PROFILE_BATCHES picks the batches). "http" (issue 25) serves the 0.5B shape with
+# PROFILE_BATCHES picks the batches); "pool-snapshot" lists what one capture size (POOL_SIZE) of a preset
+# (MOE_MODEL, POOL_QUANT) puts in the graph pool beside the estimate (scripts/pool_snapshot.py). "http" (issue 25) serves the 0.5B shape with
 # `piecegraph serve` and runs serve-bench --url against it beside the in-process engine; the server's greedy tokens
 # are checked against an in-process engine on the fresh server and after the load (HTTP_TOKENS_ONLY=1: only the
 # fresh check; HTTP_NO_TOKENS=1: no token checks, throughput only; HTTP_SERVE_ARGS: more serve options, e.g. --cache;
@@ -195,6 +196,11 @@ fi
 if has moe-profile; then  # issue 23: an MoE decode step's GPU time by kernel kind, FP8 against bf16
   python3 scripts/moe_step_profile.py "$OUT/moe_step_profile.json" "${MOE_MODEL:-qwen1.5-moe-a2.7b}" \
     "${PROFILE_BATCHES:-1,16,256}" 2>&1 | grep -v "^USDT" | tee "$OUT/moe_step_profile.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has pool-snapshot; then  # issue 24: which allocations a capture puts in the graph pool, against the estimate
+  python3 scripts/pool_snapshot.py "$OUT/pool_snapshot.json" "${MOE_MODEL:-qwen1.5-moe-a2.7b}" "${POOL_QUANT:-fp8}" \
+    "${POOL_SIZE:-2048}" 2>&1 | grep -v "^USDT" | tee "$OUT/pool_snapshot.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has api-profile; then  # issue 22: which CUDA runtime calls block the host, overlapped against synchronous
