@@ -8,7 +8,7 @@ served steps ran at 0.91x bf16's speed). For each quant, the MoE preset (random 
 
 Kernels inside CUDA graph replays are reported by CUPTI; ``kernels_seen`` says how many per step were, so a profile
 that saw none says so instead of summing nothing. The ideal step reads its weights once: ``weight_floor_ms`` is
-those bytes (the experts a batch routes to, counted as all of them above ~15 rows an expert) at 4.8 TB/s.
+those bytes (``bench.cases.weight_bytes_read``: the experts only as far as top-k routing reaches) at 4.8 TB/s.
 
     python scripts/moe_step_profile.py OUT.json [MODEL] [BATCHES]     (defaults: qwen1.5-moe-a2.7b, 1,16,256)
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from piecegraph.bench import modes as bench_modes
-from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases
+from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, weight_bytes_read
 from piecegraph.bench.harness import time_ms
 from piecegraph.context import forward_context
 
@@ -74,22 +74,6 @@ def profile_step(fn, args, meta, steps: int = 5) -> list[dict]:
     return kernel_rows(prof, steps)
 
 
-def experts_floor_bytes(model: torch.nn.Module, rows: int) -> int:
-    """Weight bytes a step of ``rows`` tokens must read: every layer's parameters and weight buffers (FP8 weights
-    are buffers), the experts only as far as top-k routing reaches (``min(E, rows * top_k)`` of each layer's,
-    the routing being near uniform on random weights), ``rows`` embedding rows, no ``lm_head``."""
-    config = model.config
-    experts = getattr(config, "num_experts", 0)
-    reached = min(experts, rows * config.top_k) if experts else 0
-    total = rows * config.hidden_size * model.model.embed_tokens.weight.element_size()
-    for name, t in (*model.model.named_parameters(), *model.model.named_buffers()):
-        if name.startswith("embed_tokens") or not (t.is_floating_point() and t.dim() >= 1):
-            continue
-        size = t.numel() * t.element_size()
-        total += size * reached // experts if ".experts." in name else size
-    return total
-
-
 def run_quant(model_name: str, quant: str, batches: list[int], cuda: bool) -> dict:
     from piecegraph.cli_common import load_model
 
@@ -107,7 +91,7 @@ def run_quant(model_name: str, quant: str, batches: list[int], cuda: bool) -> di
             kinds: dict[str, float] = {}
             for row in kernels:
                 kinds[row["kind"]] = kinds.get(row["kind"], 0.0) + row["us_per_step"]
-            floor = experts_floor_bytes(model, case.size)
+            floor = weight_bytes_read(model, case.size)
             result["batches"][case.size] = {
                 "step_ms": ms, "kernels_seen": sum(r["calls_per_step"] for r in kernels),
                 "kernel_ms": sum(kinds.values()) / 1e3, "by_kind_ms": {k: v / 1e3 for k, v in sorted(kinds.items())},

@@ -48,17 +48,26 @@ class Case:
 
 
 def weight_bytes_read(model: torch.nn.Module, tokens: int) -> int:
-    """Bytes of parameters one forward of ``tokens`` tokens must read.
+    """Bytes of weights one forward of ``tokens`` tokens must read.
 
-    For the reference :class:`Decoder`: every layer and the final norm, plus only the ``tokens`` embedding rows
-    it gathers; ``lm_head`` is not part of the forward. Other models: every parameter.
+    For the reference decoders: every layer's parameters and floating-point buffers (an FP8 model's weights and
+    scales are buffers) and the final norm, plus only the ``tokens`` embedding rows it gathers; a mixture of
+    experts' experts only as far as top-k routing can reach, ``min(E, tokens * top_k)`` of each layer's (routing
+    assumed to spread); ``lm_head`` is not part of the forward. Other models: every parameter.
     """
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     if inner is None or embed is None:
         return sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = getattr(model.config, "num_experts", 0)
+    reached = min(experts, tokens * model.config.top_k) if experts else 0
     skip = {id(p) for p in embed.parameters()}
-    body = sum(p.numel() * p.element_size() for p in inner.parameters() if id(p) not in skip)
+    body = 0
+    for name, t in (*inner.named_parameters(), *inner.named_buffers()):
+        if id(t) in skip or not t.is_floating_point():
+            continue
+        size = t.numel() * t.element_size()
+        body += size * reached // experts if ".experts." in name else size
     return body + tokens * embed.weight.shape[1] * embed.weight.element_size()
 
 

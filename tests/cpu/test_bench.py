@@ -379,3 +379,24 @@ def test_the_auto_row_runs_decode_on_the_measured_module_and_prefill_piecewise(t
         with forward_context(prefill.meta):
             torch.testing.assert_close(prep.fn(*prefill.args(0)), tiny(*prefill.args(0)), rtol=1e-5, atol=1e-5)
     assert calls == ["full", "mixed", "mixed"]
+
+
+def test_weight_bytes_read_counts_fp8_weight_buffers_and_only_the_experts_routing_reaches():
+    """The bench's floor (and moe_step_profile's) counts what a forward must read: an FP8 model's weights are
+    buffers (once left out: its floor was the norms and the bf16 router alone), and a mixture of experts reads
+    only the experts top-k routing can reach. Reference: bytes counted by hand from the config."""
+    from piecegraph.bench.cases import weight_bytes_read
+    from piecegraph.models import TINY_MOE, MoEDecoder, quantize_fp8
+
+    c = TINY_MOE
+    expert = 3 * c.hidden_size * c.expert_width  # gate, up and down of one expert: numbers of weights
+    for quant, item, scales in (("float32", 4, 0), ("fp8", 1, 2 * 4)):  # FP8: a float32 scale per expert matrix
+        model = MoEDecoder.random(c, seed=0).eval()
+        if quant == "fp8":
+            model = quantize_fp8(model, kernel="torch")
+        everything = weight_bytes_read(model, c.num_experts)  # enough rows to reach every expert
+        one_row = weight_bytes_read(model, 1)  # top_k experts a layer
+        row = c.hidden_size * model.model.embed_tokens.weight.element_size()
+        unread = c.num_layers * (c.num_experts - c.top_k) * (expert * item + scales)
+        assert everything - one_row == unread + (c.num_experts - 1) * row, quant
+        assert everything > c.num_layers * c.num_experts * expert * item, quant  # all experts, the rest on top
