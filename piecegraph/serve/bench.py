@@ -115,7 +115,11 @@ def median_run(run: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any
     count), with every run's output tok/s in ``repeats_output_tok_s`` when there was more than one, and (where the
     rows have them) every run's ms per step by kind and GC pause ms, to tell a slow run's cause. One machine's
     runs of the same loop vary by 10-20% on a GPU host (stop 32), more than many differences worth measuring."""
-    rows = [run() for _ in range(max(1, repeats))]
+    return median_row([run() for _ in range(max(1, repeats))])
+
+
+def median_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Of one loop's runs (in run order), the row :func:`median_run` reports."""
     if len(rows) == 1:
         return rows[0]
     ranked = sorted(rows, key=lambda row: row["output_tok_s"])

@@ -101,6 +101,11 @@ def serve_bench(
     warmup: int = typer.Option(2, min=0, help="short warm-up requests per mode before timing"),
     repeats: int = typer.Option(1, min=1, help="runs per concurrency; the run with the median output tok/s is "
                                 "reported, every run's in repeats_output_tok_s (a GPU host's runs vary 10-20%)"),
+    interleave: bool = typer.Option(False, "--interleave/--sequential", help="start every mode's engine first (one "
+                                    "shared KV cache), then run each concurrency's repeats mode after mode, the "
+                                    "order rotated each repeat: for comparing close modes (one after another, a "
+                                    "GPU host's drift favours the mode run first); needs every engine's graphs "
+                                    "in memory at once"),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="also time a decode-only full-graph "
                                    "loop at concurrency 1 (in auto mode): the ITL floor"),
     seed: int = typer.Option(0, help="seed of the random workload"),
@@ -154,7 +159,7 @@ def serve_bench(
                           auto_opaque=True)  # as the bench: a library kernel nobody adapted is wrapped in every mode
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference,
-                repeats=repeats)
+                repeats=repeats, interleave=interleave)
     env = {**_environment(model, device, dtype, backend, plan, quant), **run.facts()}
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
@@ -203,6 +208,6 @@ def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "attention_backend": backend,
         "workload": asdict(plan.workload), "engine": asdict(plan.engine), "concurrency": list(plan.concurrencies),
         "requests": {c: plan.num_requests(c) for c in plan.concurrencies}, "warmup": plan.warmup,
-        "repeats": plan.repeats,
+        "repeats": plan.repeats, "interleave": plan.interleave,
         "timing": "wall time (perf_counter) when each step's tokens reach the host (a device sync on GPU)",
     }

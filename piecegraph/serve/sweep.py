@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from piecegraph.attention.kv_cache import KVCache
 from piecegraph.graphs.capture import release_compiled
 from piecegraph.serve.bench import Workload, decode_reference, measure, median_run, requests_for
 from piecegraph.serve.config import ENGINE_MODES, EngineConfig
@@ -49,7 +50,9 @@ class Plan:
     the engine's config (its ``mode`` replaced per mode), warm-up requests per mode, whether to time the
     decode-only full-graph reference loop (in ``auto``), whether to estimate what the GPU allows per
     concurrency (in ``auto``, on CUDA: :mod:`piecegraph.serve.gpu_bound`) and how many times each concurrency
-    runs (``repeats``: the median run is reported, :func:`~piecegraph.serve.bench.median_run`)."""
+    runs (``repeats``: the median run is reported, :func:`~piecegraph.serve.bench.median_run`), and whether
+    the modes' runs interleave (``interleave``: :mod:`piecegraph.serve.interleave`) or run one mode after
+    another."""
 
     modes: tuple[str, ...]
     concurrencies: tuple[int, ...]
@@ -63,6 +66,7 @@ class Plan:
     reference: bool = True
     gpu_bound: bool = True
     repeats: int = 1
+    interleave: bool = False
 
     def num_requests(self, concurrency: int) -> int:
         if concurrency in self.counts:
@@ -70,25 +74,31 @@ class Plan:
         return requests_for(concurrency, self.rounds, self.min_requests, self.max_requests)
 
 
-def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str], None],
-             progress: Callable[[str], Progress | None]) -> dict[str, Any]:
-    """One mode: start the engine (timed), warm up, every concurrency, then the reference loop in ``auto``."""
+def start_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str], None],
+               progress: Callable[[str], Progress | None], cache: KVCache | None = None
+               ) -> tuple[Engine, dict[str, Any]]:
+    """One mode's engine (timed; on ``cache`` when given, else its own) after its warm-up requests, and its result
+    so far (no rows)."""
     vocab = model.config.vocab_size
-    engine = Engine(model, engine_config(mode, plan.engine), progress=progress(mode))
+    engine = Engine(model, engine_config(mode, plan.engine), cache=cache, progress=progress(mode))
     result: dict[str, Any] = {"mode": mode, "capture": engine.capture_report(), "rows": []}
     log(f"{mode}: engine ready in {engine.setup_s:.1f} s ({_captured(result['capture'])})")
     if plan.warmup:
         warm = Workload(min(plan.workload.input_len, 64), min(plan.workload.output_len, 8), 0.0, plan.workload.seed)
         measure(engine, warm.requests(plan.warmup, vocab, salt=-1), plan.warmup)
-    works = {}
-    for c in plan.concurrencies:
-        work = works[c] = plan.workload.requests(plan.num_requests(c), vocab, salt=c)
-        row = median_run(lambda work=work, c=c: measure(engine, work, c), plan.repeats)
-        result["rows"].append({"mode": mode, **row})
-        log(f"{mode} c={c}: {row['requests']} requests in {row['duration_s']:.2f} s, {row['output_tok_s']:.0f} "
-            f"output tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms, "
-            f"graphs {row['graph_share']:.0%} of {row['steps']} steps, GC pauses {row['gc_pause_ms']:.0f} ms "
-            f"({row['gc_full']} full)")
+    return engine, result
+
+
+def works_of(model: torch.nn.Module, plan: Plan) -> dict[int, list[tuple[list[int], int]]]:
+    """Each concurrency's requests: the same for every mode."""
+    vocab = model.config.vocab_size
+    return {c: plan.workload.requests(plan.num_requests(c), vocab, salt=c) for c in plan.concurrencies}
+
+
+def finish_mode(engine: Engine, plan: Plan, works: dict[int, Any], result: dict[str, Any],
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """After the loops: the reference loop and the GPU-bound estimate (in ``auto``), the capture report again."""
+    mode = result["mode"]
     if plan.reference and engine.executor.decode is not None and not mode.endswith(SYNC_SUFFIX):
         ref = decode_reference(engine, plan.workload.input_len, min(plan.workload.output_len, 128))
         result["decode_reference"] = ref
@@ -97,6 +107,25 @@ def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str],
         result["gpu_bound"] = _gpu_bound(engine, works, plan, log)
     result["capture"] = engine.capture_report()  # pool MiB after the runs too (FlashInfer plans may add)
     return result
+
+
+def run_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str], None],
+             progress: Callable[[str], Progress | None]) -> dict[str, Any]:
+    """One mode: start the engine (timed), warm up, every concurrency, then the reference loop in ``auto``."""
+    engine, result = start_mode(model, mode, plan, log, progress)
+    works = works_of(model, plan)
+    for c, work in works.items():
+        row = median_run(lambda work=work, c=c: measure(engine, work, c), plan.repeats)
+        result["rows"].append({"mode": mode, **row})
+        log_row(log, mode, row)
+    return finish_mode(engine, plan, works, result, log)
+
+
+def log_row(log: Callable[[str], None], mode: str, row: dict[str, Any]) -> None:
+    log(f"{mode} c={row['concurrency']}: {row['requests']} requests in {row['duration_s']:.2f} s, "
+        f"{row['output_tok_s']:.0f} output tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 "
+        f"{row['itl_p50_ms'] or 0:.2f} ms, graphs {row['graph_share']:.0%} of {row['steps']} steps, GC pauses "
+        f"{row['gc_pause_ms']:.0f} ms ({row['gc_full']} full)")
 
 
 def _gpu_bound(engine: Engine, works: dict[int, Any], plan: Plan, log: Callable[[str], None]
@@ -128,6 +157,10 @@ def run_sweep(model: torch.nn.Module, plan: Plan, log: Callable[[str], None] = p
     """Every mode of ``plan``; returns one result per mode (``error`` set where it failed). ``keep_going=False``
     raises at the first failure instead: a tensor-parallel rank must, since its peers would pair their
     collectives with its next mode's."""
+    if plan.interleave:
+        from piecegraph.serve.interleave import run_interleaved
+
+        return run_interleaved(model, plan, log, progress, on_mode, keep_going)
     results: list[dict[str, Any]] = []
     for mode in plan.modes:
         start = time.perf_counter()

@@ -240,3 +240,25 @@ def test_graph_workspace_bytes_match_what_flashinfer_asked_for_on_the_h200():
     assert graph_workspace_bytes(14, 2, 64, 1024, 132) < WORKSPACE_BYTES
     # few rows: the grid floor of two CTAs per SM per KV head sets the tiles
     assert graph_workspace_bytes(16, 16, 128, 1, 132) == 16 * 16 * 16 * 129 * 4 + 32
+
+
+def test_engines_sharing_a_flashinfer_cache_alternate_and_equal_torch():
+    """serve-bench --interleave's sharing: an auto and a piecewise engine on one FlashInfer cache (one set of
+    per-size graph wrappers and eager wrappers, planned by whichever engine steps), their batches alternating:
+    every request's tokens equal torch eager greedy decoding alone."""
+    from piecegraph.attention.backends.flashinfer import FlashInferBackend
+    from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+    model = Decoder.random(CFG, seed=2).eval()
+    rng = random.Random(6)
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    want = [generate(model, [p], 5)[0] for p in prompts]
+    cache = KVCache(CFG, 12, 4, max_seq_len=32, backend="torch")
+    cache.backend = FlashInferBackend(CFG, "cpu")
+    base = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32, decode_sizes=(1, 2, 4),
+                prefill_sizes=(4, 8, 16), compiler="eager", emulate_graphs=True)
+    auto = Engine(model, EngineConfig(mode="auto", **base), cache=cache)
+    piecewise = Engine(model, EngineConfig(mode="piecewise", **base), cache=cache)
+    for engine in (auto, piecewise, auto, piecewise):
+        assert engine.generate(prompts, SamplingParams(max_new_tokens=5)) == want
+    assert "full" in auto.stats()["by_kind"] and cache.num_free_pages == cache.num_pages - 1

@@ -111,3 +111,27 @@ def test_decode_and_mixed_steps_make_no_unintended_sync(backend, overlap, temper
         assert stats["max_plans_per_step"] <= 1  # FlashInfer plan() at most once per step
     record_result("serve_gpu.json", f"no_sync_{backend}_{'overlap' if overlap else 'sync'}_t{temperature}",
                   {"by_kind": stats["by_kind"], "plan_us": stats["plan_us"], "phase_ms": stats["phase_ms"]})
+
+
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+def test_engines_sharing_a_cache_with_real_graphs_equal_engines_alone(backend):
+    """serve-bench --interleave's sharing with real CUDA graphs: an auto and a piecewise engine on one KV cache
+    (FlashInfer: one set of per-size graph wrappers, whose buffers both engines' full graphs bake in), batches
+    alternating with preemption. Each engine's tokens equal those of the same mode's engine on a cache of its own;
+    on torch attention in float32, eager greedy decoding alone too."""
+    if backend == "flashinfer" and flashinfer_available(torch.device("cuda")) is not None:
+        pytest.skip(str(flashinfer_available(torch.device("cuda"))))
+    shape, dtype = (FI_SHAPE, torch.bfloat16) if backend == "flashinfer" else (TINY, torch.float32)
+    model = Decoder.random(shape, seed=4, device="cuda", dtype=dtype).eval()
+    prompts, params = _prompts(8, seed=2), SamplingParams(max_new_tokens=10)
+    config = EngineConfig(max_num_seqs=6, max_num_batched_tokens=32, num_pages=20, page_size=8, max_seq_len=64,
+                          attention_backend=backend)
+    alone = {mode: Engine(model, config.replace(mode=mode)).generate(prompts, params)
+             for mode in ("auto", "piecewise")}
+    if backend == "torch":
+        assert alone["auto"] == alone["piecewise"] == [generate(model, [p], 10)[0] for p in prompts]
+    auto = Engine(model, config.replace(mode="auto"))
+    piecewise = Engine(model, config.replace(mode="piecewise"), cache=auto.cache)
+    for mode, engine in (("auto", auto), ("piecewise", piecewise), ("auto", auto), ("piecewise", piecewise)):
+        assert engine.generate(prompts, params) == alone[mode], mode
+    assert auto.stats()["graph_share"] > 0 and piecewise.stats()["graph_share"] > 0

@@ -1,0 +1,96 @@
+"""serve-bench with the modes' runs interleaved: every mode's engine started first, on one shared KV cache, then
+each concurrency's repeats run mode after mode, the order rotated each repeat (A B, then B A).
+
+Run one mode after another, a comparison of close modes also measures the order: on the H200 (stop 41) the FP8
+MoE's piecewise engine served c=1 at 218 output tok/s first in its process and at 167 second (after the first
+mode's c=1024 loops), and auto's decode steps ran 4.84 ms second against piecewise's 4.51 first, the same graphs.
+Interleaved, each mode's runs meet the machine's drift alike, and the median of rotated repeats leaves no mode
+always first. The engines share one KV cache (a second one would take a second share of the GPU's memory), which is
+safe because runs never overlap: every run ends with every page free (``measure`` checks). Memory: every engine's
+graphs and compiled code at once, so a mode that keeps many buffers (breakable) may not fit beside the others.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from piecegraph.serve.bench import measure, median_row
+from piecegraph.serve.engine import Engine
+from piecegraph.serve.executor import Progress
+from piecegraph.serve.sweep import Plan, finish_mode, log_row, release, start_mode, works_of
+
+
+def rotation(modes: list[str], repeat: int) -> list[str]:
+    """The run order of ``modes`` in repeat ``repeat`` (0-based): rotated left by ``repeat``, so over
+    ``len(modes)`` repeats each mode runs once in each position."""
+    shift = repeat % len(modes) if modes else 0
+    return modes[shift:] + modes[:shift]
+
+
+def run_interleaved(model: torch.nn.Module, plan: Plan, log: Callable[[str], None],
+                    progress: Callable[[str], Progress | None],
+                    on_mode: Callable[[list[dict[str, Any]]], None] | None = None, keep_going: bool = True
+                    ) -> list[dict[str, Any]]:
+    """Every mode of ``plan``, interleaved (module docstring); one result per mode as
+    :func:`~piecegraph.serve.sweep.run_sweep` returns. Each row adds ``run_order``: the mode's position in each
+    repeat. A mode that fails to start is recorded with its error and left out (``keep_going``, else raised); a
+    run that fails ends the loops (the shared cache's state is then unknown), keeping the rows finished."""
+    engines: dict[str, Engine] = {}
+    results: dict[str, dict[str, Any]] = {}
+    for mode in plan.modes:
+        start, cache = time.perf_counter(), next(iter(engines.values())).cache if engines else None
+        try:
+            engines[mode], results[mode] = start_mode(model, mode, plan, log, progress, cache)
+        except Exception as exc:  # noqa: BLE001  (one failing mode must not lose the others' results)
+            if not keep_going:
+                raise
+            results[mode] = _failed(mode, exc, log)
+        results[mode]["start_s"] = round(time.perf_counter() - start, 2)
+    start, works = time.perf_counter(), works_of(model, plan)
+    try:
+        _loops(engines, results, plan, works, log)
+        for mode, engine in engines.items():
+            finish_mode(engine, plan, works, results[mode], log)
+    except Exception as exc:  # noqa: BLE001
+        if not keep_going:
+            raise
+        log(f"interleaved loops stopped: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc(limit=6))
+        for mode in engines:
+            results[mode].setdefault("error", f"the interleaved loops stopped: {type(exc).__name__}: {exc}"[:500])
+    out = [results[mode] for mode in plan.modes]
+    for result in out:
+        result["wall_s"] = round(result.pop("start_s", 0.0) + time.perf_counter() - start, 2)
+        result["interleaved"] = True
+    engines.clear()
+    release()
+    if on_mode:
+        on_mode(out)
+    return out
+
+
+def _loops(engines: dict[str, Engine], results: dict[str, dict[str, Any]], plan: Plan, works: dict[int, Any],
+           log: Callable[[str], None]) -> None:
+    """Each concurrency: ``plan.repeats`` rounds, each running every started mode once in :func:`rotation`'s
+    order; then each mode's median row."""
+    modes = list(engines)
+    for c, work in works.items():
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        for repeat in range(max(1, plan.repeats)):
+            for mode in rotation(modes, repeat):
+                runs[mode].append(measure(engines[mode], work, c))
+        for mode in modes:
+            row = {"mode": mode, **median_row(runs[mode]),
+                   "run_order": [rotation(modes, r).index(mode) for r in range(len(runs[mode]))]}
+            results[mode]["rows"].append(row)
+            log_row(log, mode, row)
+
+
+def _failed(mode: str, exc: Exception, log: Callable[[str], None]) -> dict[str, Any]:
+    log(f"{mode}: failed: {type(exc).__name__}: {exc}")
+    log(traceback.format_exc(limit=6))
+    return {"mode": mode, "rows": [], "error": f"{type(exc).__name__}: {exc}"[:500]}
