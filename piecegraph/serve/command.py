@@ -122,6 +122,7 @@ def serve_bench(
     """Serve random requests with closed-loop clients per concurrency and mode; throughput, TTFT, ITL, graphs."""
     from piecegraph.serve.bench import Workload
     from piecegraph.serve.config import EngineConfig
+    from piecegraph.serve.interleave import run_interleaved
     from piecegraph.serve.report import payload, write_json
     from piecegraph.serve.sweep import Plan, run_sweep
 
@@ -159,8 +160,8 @@ def serve_bench(
                           auto_opaque=True)  # as the bench: a library kernel nobody adapted is wrapped in every mode
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference,
-                repeats=repeats, interleave=interleave)
-    env = {**_environment(model, device, dtype, backend, plan, quant), **run.facts()}
+                repeats=repeats)
+    env = {**_environment(model, device, dtype, backend, plan, quant), "interleave": interleave, **run.facts()}
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
         if reports:
@@ -175,7 +176,8 @@ def serve_bench(
                       f"{f', tp {tp}' if tp > 1 else ''}), modes {', '.join(mode_list)}, concurrency {conc}, "
                       f"requests {[plan.num_requests(c) for c in conc]}")
     with capture_progress() if reports else contextlib.nullcontext(lambda mode: None) as progress:
-        results = run_sweep(net, plan, log=log, progress=progress, on_mode=save, keep_going=run.solo)
+        sweep = run_interleaved if interleave else run_sweep
+        results = sweep(net, plan, log=log, progress=progress, on_mode=save, keep_going=run.solo)
     save(results)
     run.finish()
     if reports:
@@ -208,6 +210,6 @@ def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "attention_backend": backend,
         "workload": asdict(plan.workload), "engine": asdict(plan.engine), "concurrency": list(plan.concurrencies),
         "requests": {c: plan.num_requests(c) for c in plan.concurrencies}, "warmup": plan.warmup,
-        "repeats": plan.repeats, "interleave": plan.interleave,
+        "repeats": plan.repeats,
         "timing": "wall time (perf_counter) when each step's tokens reach the host (a device sync on GPU)",
     }

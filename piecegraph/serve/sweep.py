@@ -50,9 +50,7 @@ class Plan:
     the engine's config (its ``mode`` replaced per mode), warm-up requests per mode, whether to time the
     decode-only full-graph reference loop (in ``auto``), whether to estimate what the GPU allows per
     concurrency (in ``auto``, on CUDA: :mod:`piecegraph.serve.gpu_bound`) and how many times each concurrency
-    runs (``repeats``: the median run is reported, :func:`~piecegraph.serve.bench.median_run`), and whether
-    the modes' runs interleave (``interleave``: :mod:`piecegraph.serve.interleave`) or run one mode after
-    another."""
+    runs (``repeats``: the median run is reported, :func:`~piecegraph.serve.bench.median_run`)."""
 
     modes: tuple[str, ...]
     concurrencies: tuple[int, ...]
@@ -66,7 +64,6 @@ class Plan:
     reference: bool = True
     gpu_bound: bool = True
     repeats: int = 1
-    interleave: bool = False
 
     def num_requests(self, concurrency: int) -> int:
         if concurrency in self.counts:
@@ -157,10 +154,6 @@ def run_sweep(model: torch.nn.Module, plan: Plan, log: Callable[[str], None] = p
     """Every mode of ``plan``; returns one result per mode (``error`` set where it failed). ``keep_going=False``
     raises at the first failure instead: a tensor-parallel rank must, since its peers would pair their
     collectives with its next mode's."""
-    if plan.interleave:
-        from piecegraph.serve.interleave import run_interleaved
-
-        return run_interleaved(model, plan, log, progress, on_mode, keep_going)
     results: list[dict[str, Any]] = []
     for mode in plan.modes:
         start = time.perf_counter()

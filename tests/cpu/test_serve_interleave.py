@@ -89,8 +89,8 @@ def test_a_mode_that_fails_to_start_is_recorded_and_the_others_run(monkeypatch):
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_seq_len=32, compiler="eager",
                           emulate_graphs=True)
     plan = sweep.Plan(("eager", "piecewise"), (2,), Workload(8, 3, 0.0, 0), config, counts={2: 2}, warmup=0,
-                      reference=False, repeats=2, interleave=True)
-    got = sweep.run_sweep(Decoder.random(TINY, seed=1).eval(), plan, log=lambda line: None)
+                      reference=False, repeats=2)
+    got = run_interleaved(Decoder.random(TINY, seed=1).eval(), plan, lambda line: None, lambda mode: None)
     assert [r["mode"] for r in got] == ["eager", "piecewise"]
     assert "no room" in got[0]["error"] and not got[0]["rows"]
     assert got[1]["rows"][0]["run_order"] == [0, 0] and got[1]["rows"][0]["output_tokens"] == 6
