@@ -409,7 +409,8 @@ class GraphedModule(torch.nn.Module):
                 "trace_s": s.trace_s, "compile_s": s.compile_s, "diagnose_s": s.diagnose_s,
                 "setup_s": s.setup_s, "capture_s": capture, "ready_s": s.setup_s + capture,
                 **jit_summary(s.jit), "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
-                "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"), **s.cache}
+                "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"),
+                "pool_measured_bytes": stats.get("graph_memory", {}).get("pool_measured_bytes"), **s.cache}
 
 
 def _as_set(value: Any) -> Any:

@@ -13,6 +13,7 @@ import torch
 from .config import Config
 from .context import current_forward_context, override_forward_context
 from .graphs.capture import GraphPool, capture_session, timed_capture
+from .graphs.memory import GraphMemory, measured_pool_bytes
 from .graphs.static_context import StaticContext
 from .graphs.verify import dropped_warning, rel_error, rolled_token_inputs, verify_tolerance
 from .program import Phase, Program
@@ -32,7 +33,7 @@ class Replayer:
     """
 
     def __init__(self, program: Program, config: Config, staging: Staging, table: SizeTable,
-                 verify_sizes: float | None = None):
+                 verify_sizes: float | None = None, memory: GraphMemory | None = None):
         self.program = program
         self.config = config
         self.state = program.state
@@ -43,6 +44,8 @@ class Replayer:
         # Verifying every size also checks each size's first padded call (a size first met exactly was not).
         self.verify_padded = self.verify_left == float("inf")
         self.static_context = StaticContext(max(table.sizes, default=1)) if config.mode == "full" else None
+        self.memory = memory  # the estimate before compiling (its cuBLAS workspace is added to the measurement)
+        self.measured: tuple[int, int] | None = None  # (size, graph pool bytes) measured before its capture
 
     def set_static(self, n: int) -> None:
         """A static trace's one size is ``n`` (the first graphed call's token count)."""
@@ -57,8 +60,8 @@ class Replayer:
 
     def call(self, flat: Sequence[Any], n: int, size: int) -> Any | None:
         """The outputs of ``size``'s graphs for a call of ``n`` tokens (captured first on its first use), the
-        model's in-place writes copied back to the caller; ``None`` when verifying ``size`` just dropped it (the
-        call then runs without a graph)."""
+        model's in-place writes copied back to the caller; ``None`` when verifying ``size`` just dropped it, or
+        its measured graph pool is over ``graph_memory_limit`` (the call then runs without a graph)."""
         padded = self._stage(flat, n, size)
         if self.table.is_captured(size):
             if n < size and self.verify_padded and size not in self.table.padded_checked:
@@ -69,7 +72,7 @@ class Replayer:
             outputs = self.replay(padded, n, size)
         else:
             self._first_use(flat, padded, n, size)
-            if size in self.table.dropped:
+            if size in self.table.dropped or size in self.table.over_limit:
                 return None
             outputs = self.replay(self._stage(flat, n, size), n, size, count=False)  # the capturing call
         self.staging.write_back(flat, padded, n)
@@ -86,7 +89,7 @@ class Replayer:
         with self.staging.extra_runs():
             self._capture(padded, n, size, saved)
             self.staging.restore(padded, saved)
-            if self.verify_left > 0:
+            if self.verify_left > 0 and size not in self.table.over_limit:
                 self.verify_left -= 1
                 self._verify(flat, n, size, saved)
                 self.staging.restore(padded, saved)
@@ -109,6 +112,9 @@ class Replayer:
                 for _ in range(self.config.warmup_runs):
                     self.state.phase = Phase.WARMUP
                     self.program.call(*padded)
+                if not self._measure_pool(padded, size):
+                    self.state.phase = Phase.RUN
+                    return None
                 with self.staging.recording_writes(padded, saved):
                     self.state.phase = Phase.CAPTURE
                     try:
@@ -117,8 +123,33 @@ class Replayer:
                         self.state.phase = Phase.RUN
 
         _, seconds = timed_capture(capture)
+        if size in self.table.over_limit:
+            return
         self.table.record_capture(size, seconds)
         log.info("piecegraph: captured size %d in %.3f s", size, seconds)
+
+    def _measure_pool(self, padded: list[Any], size: int) -> bool:
+        """Before the first capture into this program's graphs (the largest size, as captured largest first), one
+        more warm-up run in a pool of its own measures what the capture will take (graphs/memory.py:
+        :func:`measured_pool_bytes`), plus the estimate's cuBLAS workspace. Over ``graph_memory_limit`` the size
+        is refused with a warning (``False``): its calls run without graphs, and the next size is measured."""
+        if self.measured is not None or not self.config.warmup_runs:
+            return True  # after warm-ups only: a first warm-up may time a static compile in a graph of its own
+        self.state.phase = Phase.WARMUP
+        got = measured_pool_bytes(lambda: self.program.call(*padded))
+        if got is None:
+            return True
+        need = got + (self.memory.workspace_bytes if self.memory is not None else 0)
+        limit = self.config.graph_memory_limit
+        if limit is not None and need > limit:
+            self.table.refuse(size, need)
+            warnings.warn(f"piecegraph: capture size {size} needs {need / 2**20:.1f} MiB of graph pool, measured "
+                          f"before its capture (an eager run in a pool of its own, plus the cuBLAS workspace), over "
+                          f"Config(graph_memory_limit={limit / 2**20:.1f} MiB); calls of that size run without "
+                          "graphs. Raise graph_memory_limit, or capture smaller sizes.", stacklevel=8)
+            return False
+        self.measured = (size, need)
+        return True
 
     # -- replay -----------------------------------------------------------------------------------------
     def replay(self, padded: list[Any], n: int, size: int, count: bool = True) -> Any:

@@ -49,7 +49,7 @@ class FlatRunner:
             sizes, self.refusal = fit_sizes(memory, sizes, config.graph_memory_limit)
         # Padding would change an op's result: only exact capture sizes replay (trace/mixing.py says which op).
         self.table = SizeTable(sizes, exact=bool(program.token_mixing))
-        self.replayer = Replayer(program, config, self.staging, self.table, verify_sizes)
+        self.replayer = Replayer(program, config, self.staging, self.table, verify_sizes, memory)
         self.fallbacks = 0
         self.tracing = tracing
         self.last_outputs: tuple[Any, ...] | None = None
@@ -192,16 +192,22 @@ class FlatRunner:
         }
 
     def _memory_stats(self) -> dict[str, Any]:
-        """The estimate before capture (per size, and the pool: the largest kept size's), for comparison with
-        ``pool_bytes``, what capture used."""
+        """The estimate before compiling (per size, and the pool: the largest kept size's) and the pool measured
+        before the first capture (``pool_measured_bytes``, at ``measured_size``), for comparison with
+        ``pool_bytes``, what capture used; sizes refused by the measurement (``over_limit``)."""
+        measured = self.replayer.measured
+        out: dict[str, Any] = {} if measured is None else {"pool_measured_bytes": measured[1],
+                                                           "measured_size": measured[0]}
+        if self.table.over_limit:
+            out["over_limit"] = dict(self.table.over_limit)
         if self.memory is None:
-            return {}
-        kept = [s for s in self.table.sizes if s in self.memory.pool]
+            return out
+        kept = [s for s in self.table.sizes if s in self.memory.pool and s not in self.table.over_limit]
         return {"estimate_bytes": dict(self.memory.pool), "live_bytes": dict(self.memory.live),
                 "pool_estimate_bytes": max((self.memory.pool[s] for s in kept), default=0),
                 "workspace_bytes": self.memory.workspace_bytes,
                 "left_out": sorted(set(self.memory.pool) - set(self.table.sizes)),
-                "limit": self.config.graph_memory_limit}
+                "limit": self.config.graph_memory_limit, **out}
 
 
 def _static_choices(pieces: Sequence[Any]) -> dict[int, dict[str, Any]]:

@@ -1,5 +1,5 @@
 """The size table: which capture size a call of ``n`` tokens uses, and what became of each size (captured, in how
-many seconds; dropped after verification, with the error measured)."""
+many seconds; dropped after verification, with the error measured; refused over the graph memory limit)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class SizeTable:
         self.exact = exact
         self.capture_s: dict[int, float] = {}  # captured sizes: the seconds each capture took
         self.dropped: dict[int, float] = {}  # sizes whose replay disagreed with the no-graph run: the error
+        self.over_limit: dict[int, int] = {}  # sizes whose measured graph pool exceeded graph_memory_limit: bytes
         self.padded_checked: set[int] = set()  # sizes whose first padded call was verified
 
     @property
@@ -32,12 +33,12 @@ class SizeTable:
 
     def bucket(self, n: int) -> int | None:
         """The size that serves ``n`` tokens; ``None`` when the call runs without a graph: above the largest size,
-        its size dropped, or (``exact``) no size equals ``n``."""
+        its size dropped or over the memory limit, or (``exact``) no size equals ``n``."""
         pos = bisect.bisect_left(self.sizes, n)
         if pos == len(self.sizes):
             return None
         size = self.sizes[pos]
-        if size in self.dropped or (self.exact and size != n):
+        if size in self.dropped or size in self.over_limit or (self.exact and size != n):
             return None
         return size
 
@@ -50,6 +51,11 @@ class SizeTable:
     def drop(self, size: int, error: float) -> None:
         """``size`` failed verification with relative ``error``: later calls of it run without a graph."""
         self.dropped[size] = error
+        self.capture_s.pop(size, None)
+
+    def refuse(self, size: int, pool_bytes: int) -> None:
+        """``size`` would take ``pool_bytes`` of graph pool, over the limit: later calls of it run without a graph."""
+        self.over_limit[size] = pool_bytes
         self.capture_s.pop(size, None)
 
     def forget_captures(self) -> None:

@@ -71,7 +71,8 @@ def main(out: str, model_name: str = "qwen1.5-moe-a2.7b", quant: str = "fp8", si
               "alloc_bytes_by_site": dict(sites.most_common(40)), "largest_alloc_by_site": largest}
     Path(out).write_text(json.dumps(report, indent=1, default=str))
     print(f"pool {report['pool_bytes'] / 2**20:.0f} MiB (segments {report['pool_segments_bytes'] / 2**20:.0f} MiB), "
-          f"estimate {stats['graph_memory'].get('pool_estimate_bytes', 0) / 2**20:.0f} MiB")
+          f"estimate {stats['graph_memory'].get('pool_estimate_bytes', 0) / 2**20:.0f} MiB, measured before capture "
+          f"{(stats['graph_memory'].get('pool_measured_bytes') or 0) / 2**20:.0f} MiB")
     for key, total in sites.most_common(25):
         print(f"{total / 2**20:10.1f} MiB allocated (largest {largest[key] / 2**20:.1f})  {key}")
 

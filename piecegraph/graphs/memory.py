@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -275,6 +275,25 @@ class _Numel:
             expr = self.exprs[numel[1]].xreplace({s: sympy.Integer(size) for s in self.symbols})
             self.values[key] = int(expr) if expr.is_Integer else 0  # another dynamic dim: not piecegraph's
         return self.values[key]
+
+
+def measured_pool_bytes(run: Callable[[], Any]) -> int | None:
+    """Bytes the caching allocator reserves for ``run()``'s allocations in a private pool of their own
+    (``torch.cuda.MemPool``): the same allocator, rounding and block reuse as a graph pool, so an eager run of a
+    capture size before its capture measures what the capture will take, whatever Inductor materializes (the
+    estimate above models it, and missed an FP8 MoE's float32 buffers 2.3x). ``run``'s outputs are dropped; the
+    pool is released (its segments go back at the allocator's next ``empty_cache`` or out-of-memory retry). Not
+    in the pool: a cuBLAS workspace the run's stream already has (add the estimate's ``workspace_bytes``).
+    ``None`` without CUDA or where this torch has no ``MemPool``."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "use_mem_pool"):
+        return None
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        out = run()
+    del out
+    key = tuple(pool.id)
+    segments = torch.cuda.memory_snapshot()
+    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", ())) == key)
 
 
 class GraphMemoryError(RuntimeError):

@@ -56,7 +56,9 @@ def summary(startup: dict[str, Any]) -> str:
                      f"({built} module{'s' * (built != 1)})")
     cache = startup.get("cache", "off")
     pool = f"pool {startup.get('pool_bytes', 0) / 2**20:.1f} MiB"
-    if startup.get("pool_estimate_bytes"):
-        pool += f" (estimated {startup['pool_estimate_bytes'] / 2**20:.1f} MiB)"
+    before = [f"{word} {startup[key] / 2**20:.1f} MiB" for key, word in (
+        ("pool_estimate_bytes", "estimated"), ("pool_measured_bytes", "measured before capture")) if startup.get(key)]
+    if before:
+        pool += f" ({', '.join(before)})"
     return (f"piecegraph: ready in {startup.get('ready_s', 0.0):.1f} s ({', '.join(parts) or 'nothing to do'}; "
             f"{startup.get('num_sizes', 0)} sizes, {pool}, cache {cache})")

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import piecegraph
 from piecegraph.graphs.memory import GraphMemoryError, MiB, block_kind, estimate_graph_memory, pool_for, simulate
+from piecegraph.graphs.progress import summary
 from piecegraph.ops.split import split_op_names
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -166,3 +167,37 @@ def test_memory_limit_below_every_size_refuses_naming_sizes_and_bytes():
                                  graph_memory_limit=1000)
     with pytest.raises(GraphMemoryError, match=r"no capture size fits.*8: \d.*MiB, 64: "):
         graphed.capture(_inputs, [8])
+
+
+def test_pool_measured_before_capture_refuses_sizes_over_the_limit_and_they_run_without_graphs(monkeypatch):
+    """The measurement before the first capture (graphs/memory.py: measured_pool_bytes, CUDA only; here a stand-in
+    that runs the size and reports 1 GiB per token): a size measured over graph_memory_limit is refused with a
+    warning naming it and its bytes, its calls run without graphs (equal to eager), and the next size is measured;
+    the first size under the limit is the one reported, and no later size is measured again."""
+    import piecegraph.replay
+
+    measured = []
+
+    def stand_in(run):
+        out = run()
+        rows = (out[0] if isinstance(out, (tuple, list)) else out).shape[0]
+        measured.append(rows)
+        return rows << 30
+
+    monkeypatch.setattr(piecegraph.replay, "measured_pool_bytes", stand_in)
+    model = ToyModel(dim=DIM, layers=3).eval()
+    graphed = piecegraph.compile(model, compiler="eager", capture_sizes=(8, 64, 1024), emulate_graphs=True,
+                                 graph_memory_limit=100 << 30)  # above every estimate: only the measurement trims
+    with pytest.warns(UserWarning, match=r"capture size 1024 needs 1048576.0 MiB of graph pool, measured before"):
+        graphed.capture(_inputs)
+    assert measured == [1024, 64]
+    for n in (300, 40, 5):
+        x, pos = torch.randn(n, DIM), torch.arange(n)
+        with piecegraph.forward_context({"n": n}):
+            torch.testing.assert_close(graphed(x, pos), model(x, pos))
+    stats = graphed.stats()
+    memory = stats["graph_memory"]
+    assert memory["over_limit"] == {1024: 1024 << 30} and memory["measured_size"] == 64
+    assert memory["pool_measured_bytes"] == (64 << 30) + memory["workspace_bytes"]
+    assert sorted(stats["capture_s"]) == [8, 64] and stats["fallbacks"] == 1 and measured == [1024, 64]
+    assert "measured before capture 65536.0 MiB" in summary(graphed.startup_report())
