@@ -114,7 +114,10 @@ class Config:
         graph_memory_limit: bytes the graphs' shared pool may take. Before capturing, piecegraph estimates each
             size's pool from the traced pieces (:mod:`piecegraph.graphs.memory`); sizes whose estimate is over the
             limit are not captured (they run without graphs), with a warning naming them and the bytes; when even
-            the smallest is over, capture is refused with an error. ``None`` (default): no limit.
+            the smallest is over, capture is refused with an error. Then, before the first capture (CUDA), one
+            more warm-up run of the largest size kept measures its pool (``graph_memory["pool_measured_bytes"]``);
+            a size measured over the limit is refused with a warning and runs without graphs, and the next size
+            down is measured. ``None`` (default): no limit (the measurement is still made and reported).
     """
 
     mode: str = "piecewise"

@@ -72,8 +72,9 @@ class EngineConfig:
             (its ``auto-pieces`` row sets both).
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
-        graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate is over it are
-            left out, named in a warning, and run without graphs. ``None``: no limit.
+        graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate, or whose
+            measurement before capture, is over it are left out, named in a warning, and run without graphs.
+            ``None``: no limit.
         auto_opaque: wrap each library function that stops Dynamo (a JIT kernel nobody adapted, such as
             FlashInfer's FP8 GEMMs) as an opaque op, as ``piecegraph.Config(auto_opaque=...)`` does, in the
             engine's piecewise and full modules. ``None`` (default): on in ``mode="auto"`` (piecegraph's auto),
