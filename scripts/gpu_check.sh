@@ -15,7 +15,7 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate; "startup-profile" profiles a warm and a cold start
+# (first JIT, cold, warm) and checks the graph memory estimate (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
 # shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto); "api-profile" lists the CUDA
 # runtime calls that block an overlapped and a synchronous engine's host loop (scripts/cuda_api_profile.py).
@@ -48,8 +48,10 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PIECEGRAPH_OUT="$OUT"
 # The device's torch ships no bytecode caches and keeps none: a warm start's process compiled ~1,400 modules from
-# source (5 s of its profile). A user's pip install has them; so do we, from the second process on, under a
-# writable prefix (its effect on the warm start is not measured yet: stop 32's next machine was slower throughout).
+# source (5 s of its profile). A user's pip install has them. A writable prefix alone did not help: the machine
+# sets PYTHONDONTWRITEBYTECODE, so nothing was ever written there (stop 42's warm start still compiled 1,427
+# modules, 4.4 s). The parts that time a start therefore compile the packages into the prefix first (below),
+# as pip does at install; imports then read the prefix.
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pg-pycache}
 PARTS=${PARTS:-"tests overhead attention-cost doctor bench serve"}
 shopt -s nullglob
@@ -72,6 +74,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 status=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has startup || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
+  # the packages a start imports, found without importing them (the site folders hold many more)
+  dirs=$(python3 -c "
+import importlib.util as u
+for name in ('torch functorch torchgen sympy mpmath networkx triton numpy jinja2 markupsafe filelock fsspec '
+             'typing_extensions transformers tokenizers huggingface_hub safetensors flashinfer tvm_ffi typer rich '
+             'click piecegraph').split():
+    spec = u.find_spec(name)
+    if spec and spec.submodule_search_locations: print(*spec.submodule_search_locations)
+    elif spec and spec.origin: print(spec.origin)")
+  python3 -m compileall -q -j 0 $dirs >/dev/null 2>&1
+  echo "bytecode under $PYTHONPYCACHEPREFIX: $(find "$PYTHONPYCACHEPREFIX" -name '*.pyc' 2>/dev/null | wc -l) files"
+fi
 newer_site() {  # $1: a .tar.xz of an unpacked FlashInfer wheel -> its own site folder and JIT workspace
   local name=$(basename "$1" .tar.xz)
   mkdir -p "/tmp/pg-$name" && [ -d "/tmp/pg-$name/flashinfer" ] || tar -xJf "$1" -C "/tmp/pg-$name" || return 1
