@@ -59,7 +59,7 @@ def capture_table(results: Sequence[dict[str, Any]]) -> Table:
     """What each mode's engine captured at start: sizes, seconds, pool MiB."""
     out = Table(title="graphs captured at engine start (auto: which module decode steps replay, per full size)")
     for header in ("mode", "module", "sizes", "trace s", "compile s", "JIT build s", "capture s",
-                   "setup s (all of it)", "pool MiB", "decode replays"):
+                   "setup s (all of it)", "pool MiB", "before capture: estimated / measured MiB", "decode replays"):
         out.add_column(header, justify="left" if header in ("mode", "module", "sizes", "decode replays") else "right")
     for result in results:
         report = result.get("capture") or {"modules": {}, "pool_mib": 0.0}
@@ -70,8 +70,16 @@ def capture_table(results: Sequence[dict[str, Any]]) -> Table:
             stages = module.get("startup") or {}
             out.add_row(result["mode"], kind, shown,
                         *(f"{stages.get(k) or 0.0:.1f}" for k in ("trace_s", "compile_s", "jit_build_s")),
-                        f"{module['capture_s']:.1f}", f"{module['setup_s']:.1f}", f"{report['pool_mib']:.0f}", picks)
+                        f"{module['capture_s']:.1f}", f"{module['setup_s']:.1f}", f"{report['pool_mib']:.0f}",
+                        _before_capture(module.get("graph_memory") or {}), picks)
     return out
+
+
+def _before_capture(memory: dict[str, Any]) -> str:
+    """``134 / 314``: the module's pool estimated from its graph and measured before its first capture (MiB; ``-``
+    where there is none: CPU, or no estimate)."""
+    return " / ".join("-" if not memory.get(key) else f"{memory[key] / 2**20:.0f}"
+                      for key in ("pool_estimate_bytes", "pool_measured_bytes"))
 
 
 def _picks(choice: dict[Any, dict[str, Any]]) -> str:

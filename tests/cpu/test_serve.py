@@ -300,6 +300,22 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
     assert modes["auto"]["capture"]["modules"]["full"]["sizes"][-1] == 3
 
 
+def test_capture_table_shows_each_modules_pool_estimated_and_measured_before_capture():
+    from rich.console import Console
+
+    from piecegraph.serve.report import capture_table
+
+    module = {"sizes": [1, 2048], "capture_s": 1.0, "setup_s": 2.0, "startup": {"trace_s": 1.0},
+              "graph_memory": {"pool_estimate_bytes": 134 << 20, "pool_measured_bytes": 314 << 20}}
+    bare = {**module, "graph_memory": {"pool_estimate_bytes": 5 << 20}}
+    results = [{"mode": "piecewise", "capture": {"modules": {"piecewise": module}, "pool_mib": 314.0}},
+               {"mode": "auto", "capture": {"modules": {"piecewise": bare}, "pool_mib": 5.0}}]
+    console = Console(width=300, record=True)
+    console.print(capture_table(results))
+    text = console.export_text()
+    assert "134 / 314" in text and "5 / -" in text
+
+
 def test_serve_bench_runs_the_fp8_moe_preset_and_records_the_quantization(tmp_path):
     out = tmp_path / "serve.json"
     result = CliRunner().invoke(app, [
