@@ -284,13 +284,21 @@ def measured_pool_bytes(run: Callable[[], Any]) -> int | None:
     estimate above models it, and missed an FP8 MoE's float32 buffers 2.3x). ``run``'s outputs are dropped; the
     pool is released (its segments go back at the allocator's next ``empty_cache`` or out-of-memory retry). Not
     in the pool: a cuBLAS workspace the run's stream already has (add the estimate's ``workspace_bytes``).
-    ``None`` without CUDA or where this torch has no ``MemPool``."""
+    ``None`` without CUDA, where this torch has no ``MemPool``, or where the allocator refuses one (another
+    allocator backend): the capture then goes on unmeasured, as before (logged)."""
     if not torch.cuda.is_available() or not hasattr(torch.cuda, "use_mem_pool"):
         return None
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool):
-        out = run()
-    del out
+    try:
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            out = run()
+        del out
+    except Exception as err:  # noqa: BLE001  (the same run just passed as a warm-up: this is the pool's failure)
+        import logging
+
+        logging.getLogger("piecegraph").info("piecegraph: graph memory not measured before capture (%s: %s)",
+                                             type(err).__name__, err)
+        return None
     key = tuple(pool.id)
     segments = torch.cuda.memory_snapshot()
     return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", ())) == key)

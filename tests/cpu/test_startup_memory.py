@@ -201,3 +201,22 @@ def test_pool_measured_before_capture_refuses_sizes_over_the_limit_and_they_run_
     assert memory["pool_measured_bytes"] == (64 << 30) + memory["workspace_bytes"]
     assert sorted(stats["capture_s"]) == [8, 64] and stats["fallbacks"] == 1 and measured == [1024, 64]
     assert "measured before capture 65536.0 MiB" in summary(graphed.startup_report())
+
+
+def test_a_pool_the_allocator_refuses_leaves_the_capture_unmeasured_and_logged(monkeypatch, caplog):
+    """Another allocator backend may refuse a MemPool: measured_pool_bytes says so in the log and returns None
+    (the capture goes on as without a measurement) instead of failing the capture."""
+    import logging
+
+    from piecegraph.graphs.memory import measured_pool_bytes
+
+    def refuse():
+        raise RuntimeError("MemPool is not supported by this allocator")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "MemPool", refuse, raising=False)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool: None, raising=False)
+    ran = []
+    with caplog.at_level(logging.INFO, logger="piecegraph"):
+        assert measured_pool_bytes(lambda: ran.append(1)) is None
+    assert not ran and "graph memory not measured before capture (RuntimeError: MemPool is not" in caplog.text
