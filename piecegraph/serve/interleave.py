@@ -38,7 +38,8 @@ def run_interleaved(model: torch.nn.Module, plan: Plan, log: Callable[[str], Non
     """Every mode of ``plan``, interleaved (module docstring), with :func:`~piecegraph.serve.sweep.run_sweep`'s
     arguments and results (one per mode); each row adds ``run_order``: the mode's position in each repeat. A mode
     that fails to start is recorded with its error and left out (``keep_going``, else raised); a run that fails
-    ends the loops (the shared cache's state is then unknown), keeping the rows finished."""
+    ends the loops (the shared cache's state is then unknown), keeping the rows finished; a mode whose reference
+    loop or estimate fails keeps its rows and records the error."""
     engines: dict[str, Engine] = {}
     results: dict[str, dict[str, Any]] = {}
     for mode in plan.modes:
@@ -53,8 +54,6 @@ def run_interleaved(model: torch.nn.Module, plan: Plan, log: Callable[[str], Non
     start, works = time.perf_counter(), works_of(model, plan)
     try:
         _loops(engines, results, plan, works, log)
-        for mode, engine in engines.items():
-            finish_mode(engine, plan, works, results[mode], log)
     except Exception as exc:  # noqa: BLE001
         if not keep_going:
             raise
@@ -62,6 +61,14 @@ def run_interleaved(model: torch.nn.Module, plan: Plan, log: Callable[[str], Non
         log(traceback.format_exc(limit=6))
         for mode in engines:
             results[mode].setdefault("error", f"the interleaved loops stopped: {type(exc).__name__}: {exc}"[:500])
+    else:
+        for mode, engine in engines.items():
+            try:
+                finish_mode(engine, plan, works, results[mode], log)
+            except Exception as exc:  # noqa: BLE001  (one mode's reference loop must not cost the others)
+                if not keep_going:
+                    raise
+                results[mode] = {**_failed(mode, exc, log), "rows": results[mode]["rows"]}
     out = [results[mode] for mode in plan.modes]
     for result in out:
         result["wall_s"] = round(result.pop("start_s", 0.0) + time.perf_counter() - start, 2)

@@ -97,3 +97,25 @@ def test_a_mode_that_fails_to_start_is_recorded_and_the_others_run(monkeypatch):
     with pytest.raises(RuntimeError, match="no room"):
         run_interleaved(Decoder.random(TINY, seed=1).eval(), plan, lambda line: None, lambda mode: None,
                         keep_going=False)
+
+
+def test_a_mode_whose_finish_fails_keeps_its_rows_and_the_others_finish(monkeypatch):
+    from piecegraph.serve import interleave, sweep
+    from piecegraph.serve.bench import Workload
+    from piecegraph.serve.interleave import run_interleaved
+
+    real = sweep.finish_mode
+
+    def finish(engine, plan, works, result, log):
+        if result["mode"] == "piecewise":
+            raise RuntimeError("reference loop broke")
+        return real(engine, plan, works, result, log)
+
+    monkeypatch.setattr(interleave, "finish_mode", finish)
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_seq_len=32, compiler="eager",
+                          emulate_graphs=True)
+    plan = sweep.Plan(("piecewise", "auto"), (2,), Workload(8, 3, 0.0, 0), config, counts={2: 2}, warmup=0,
+                      reference=True, repeats=1)
+    got = run_interleaved(Decoder.random(TINY, seed=1).eval(), plan, lambda line: None)
+    assert "reference loop broke" in got[0]["error"] and got[0]["rows"][0]["output_tokens"] == 6
+    assert "error" not in got[1] and got[1]["decode_reference"]["itl_p50_ms"] > 0
