@@ -15,7 +15,8 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "startup-profile" profiles a warm and a cold start
+# (first JIT, cold, warm) and checks the graph memory estimate (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "aoti-probe" packages a block with AOTInductor and loads it
+# in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
 # shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto); "api-profile" lists the CUDA
 # runtime calls that block an overlapped and a synchronous engine's host loop (scripts/cuda_api_profile.py).
@@ -232,6 +233,11 @@ if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh process
   PIECEGRAPH_OUT="$OUT" python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 \
     | tee "$OUT/startup_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has aoti-probe; then  # issue 24: a packaged piece loaded and run (and graph-replayed) without Dynamo or Inductor
+  python3 scripts/aoti_warm_probe.py "$OUT/aoti" cuda 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/aoti_warm_probe.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  rm -f "$OUT/aoti/block.pt2" "$OUT/aoti/cases.pt"  # only the JSON comes back
 fi
 if has startup-profile; then  # issue 24: where a start's seconds go (cProfile of the setup), warm and cold
   first="$OUT/start_cache_first" cold="$OUT/start_cache_cold"
