@@ -8,7 +8,7 @@ timed: what a cold start would add per distinct piece), then in a fresh process 
 package loader (``torch._C._aoti.AOTIModelPackageLoader``, a private API: ``torch._inductor.aoti_load_package``
 is the public one, and imports Inductor), runs it at several token counts against eager (on CUDA also replayed
 from a CUDA graph captured around it), and lists which of the compiler stack's modules the process imported.
-Prints one JSON line.
+Then the same for piecegraph's own pieces of the tiny decoder (:func:`pieces`). Prints one JSON line.
 
     python scripts/aoti_warm_probe.py OUT_DIR [cpu|cuda]
 """
@@ -86,13 +86,106 @@ def build(folder: Path, device: str) -> float:
     return seconds
 
 
+def pieces(folder: Path, device: str) -> list[dict]:
+    """piecegraph's own pieces of the tiny decoder (as compiled, before Inductor rewrites them), each exported with
+    its token count dynamic and packaged, then run through the loader at 9 tokens against the piece run eagerly.
+    One change first: a piece takes the token count as an int input too (Dynamo's SymInt), which export cannot
+    keep symbolic, so each such input becomes ``sym_size`` of a tensor input with the same symbol. Outputs the
+    piece makes with ``empty_like`` (the attention op's output buffer, written by the split op) are not compared."""
+    import copy
+
+    import torch
+
+    import piecegraph
+    import piecegraph.trace.backend as backend
+    from piecegraph.attention import KVCache
+    from piecegraph.models import TINY, Decoder, dummy_inputs
+
+    seen, compile_piece = [], backend._compile_piece
+
+    def keep(sub, args, compiler):
+        seen.append((copy.deepcopy(sub), list(args)))
+        return compile_piece(sub, args, compiler)
+
+    backend._compile_piece = keep
+    try:
+        model = Decoder.random(TINY, device=device).eval()
+        cache = KVCache.for_sequences(TINY, 4, 64, dtype=torch.float32, device=device, backend="torch")
+        graphed = piecegraph.compile(model, mode="piecewise", max_tokens=16, emulate_graphs=device == "cpu")
+        graphed.capture(lambda n: dummy_inputs(model, cache, n), [16])
+    finally:
+        backend._compile_piece = compile_piece
+    out = []
+    for i, (sub, fakes) in enumerate(seen):
+        sub, fakes = _token_count_from_tensors(sub, fakes)
+        args = [_real(a, 9, device) for a in fakes]
+        dynamic = [{d: torch.export.Dim.DYNAMIC for d, n in enumerate(a.shape) if isinstance(n, torch.SymInt)}
+                   or None for a in fakes]
+        start = time.perf_counter()
+        program = torch.export.export(sub, tuple(args), dynamic_shapes=(tuple(dynamic),), strict=False)
+        path = torch._inductor.aoti_compile_and_package(program, package_path=str(folder / f"piece{i}.pt2"))
+        seconds = time.perf_counter() - start
+        index = torch.cuda.current_device() if device == "cuda" else -1
+        got = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, index).run(args)
+        ran = sub(*args)
+        want = [w for w in (ran if isinstance(ran, (tuple, list)) else [ran]) if isinstance(w, torch.Tensor)]
+        buffers = _empty_outputs(sub)
+        errors = [float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)) for j, (g, w) in
+                  enumerate(zip(got, want)) if j not in buffers]
+        out.append({"piece": i, "inputs": len(args), "outputs": len(want), "export_and_package_s": seconds,
+                    "worst_rel_err": max(errors, default=0.0), "uncompared_buffers": sorted(buffers)})
+    return out
+
+
+def _token_count_from_tensors(sub, fakes):
+    """``sub`` without its int inputs: each read as ``sym_size`` of the first tensor input holding its symbol."""
+    import torch
+
+    nodes = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    first = next(n for n in sub.graph.nodes if n.op != "placeholder")
+    kept = []
+    for node, fake in zip(nodes, fakes):
+        if not isinstance(fake, torch.SymInt):
+            kept.append(fake)
+            continue
+        source = next((other, d) for other, t in zip(nodes, fakes) if isinstance(t, torch.Tensor)
+                      for d, n in enumerate(t.shape) if isinstance(n, torch.SymInt) and n.node.expr == fake.node.expr)
+        with sub.graph.inserting_before(first):
+            size = sub.graph.call_function(torch.ops.aten.sym_size.int, source)
+        node.replace_all_uses_with(size)
+        sub.graph.erase_node(node)
+    sub.recompile()
+    return sub, kept
+
+
+def _real(fake, tokens: int, device: str):
+    import torch
+
+    shape = [tokens if isinstance(n, torch.SymInt) else int(n) for n in fake.shape]
+    if fake.dtype.is_floating_point:
+        return torch.randn(shape, dtype=fake.dtype, device=device)
+    return torch.zeros(shape, dtype=fake.dtype, device=device)
+
+
+def _empty_outputs(sub) -> set[int]:
+    """Positions of the tensor outputs ``sub`` makes with ``empty`` / ``empty_like`` (uninitialized buffers)."""
+    import torch
+
+    output = next(n for n in sub.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    tensors = [v for v in values if isinstance(v, torch.fx.Node)
+               and isinstance(v.meta.get("example_value", v.meta.get("val")), torch.Tensor)]
+    return {j for j, v in enumerate(tensors) if "empty" in str(v.target)}
+
+
 def main(out: str, device: str = "cpu") -> None:
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     package_s = build(folder, device)
     loaded = subprocess.run([sys.executable, "-c", LOAD, str(folder), device], capture_output=True, text=True,
                             check=True)
-    result = {"device": device, "package_s": package_s, **json.loads(loaded.stdout.strip().splitlines()[-1])}
+    result = {"device": device, "package_s": package_s, **json.loads(loaded.stdout.strip().splitlines()[-1]),
+              "pieces": pieces(folder, device)}
     (folder / "aoti_warm_probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
