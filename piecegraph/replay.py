@@ -72,7 +72,7 @@ class Replayer:
             outputs = self.replay(padded, n, size)
         else:
             self._first_use(flat, padded, n, size)
-            if size in self.table.dropped or size in self.table.over_limit:
+            if self.table.without_graph(size):
                 return None
             outputs = self.replay(self._stage(flat, n, size), n, size, count=False)  # the capturing call
         self.staging.write_back(flat, padded, n)

@@ -38,9 +38,13 @@ class SizeTable:
         if pos == len(self.sizes):
             return None
         size = self.sizes[pos]
-        if size in self.dropped or size in self.over_limit or (self.exact and size != n):
+        if self.without_graph(size) or (self.exact and size != n):
             return None
         return size
+
+    def without_graph(self, size: int) -> bool:
+        """``size`` was dropped after verification or refused over the memory limit: its calls run without one."""
+        return size in self.dropped or size in self.over_limit
 
     def is_captured(self, size: int) -> bool:
         return size in self.capture_s

@@ -299,9 +299,9 @@ def measured_pool_bytes(run: Callable[[], Any]) -> int | None:
         logging.getLogger("piecegraph").info("piecegraph: graph memory not measured before capture (%s: %s)",
                                              type(err).__name__, err)
         return None
-    key = tuple(pool.id)
-    segments = torch.cuda.memory_snapshot()
-    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", ())) == key)
+    from .capture import pool_bytes
+
+    return pool_bytes(pool.id)
 
 
 class GraphMemoryError(RuntimeError):

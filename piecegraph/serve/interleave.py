@@ -71,6 +71,7 @@ def run_interleaved(model: torch.nn.Module, plan: Plan, log: Callable[[str], Non
                 results[mode] = {**_failed(mode, exc, log), "rows": results[mode]["rows"]}
     out = [results[mode] for mode in plan.modes]
     for result in out:
+        # its own start, plus the loops every mode shared (interleaved, no mode has loops of its own to time)
         result["wall_s"] = round(result.pop("start_s", 0.0) + time.perf_counter() - start, 2)
         result["interleaved"] = True
     engines.clear()

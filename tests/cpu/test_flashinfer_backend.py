@@ -201,24 +201,34 @@ def test_forward_refuses_a_dtype_the_cache_was_not_planned_for():
         torch.ops.piecegraph_models.attention(q, k, v, torch.empty_like(q), 0)
 
 
+# The engine tests' settings: small sizes, so that steps meet full graphs, piecewise graphs and preemption.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32, decode_sizes=(1, 2, 4),
+              prefill_sizes=(4, 8, 16), compiler="eager", emulate_graphs=True)
+
+
+def _engine_case(model_seed, prompt_seed, new):
+    """A model, six random prompts, each one's torch eager greedy tokens alone (``new`` of them), and a 12-page
+    cache on the FlashInfer backend for the engine."""
+    from piecegraph.attention.backends.flashinfer import FlashInferBackend
+
+    model = Decoder.random(CFG, seed=model_seed).eval()
+    rng = random.Random(prompt_seed)
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    want = [generate(model, [p], new)[0] for p in prompts]
+    cache = KVCache(CFG, 12, 4, max_seq_len=32, backend="torch")
+    cache.backend = FlashInferBackend(CFG, "cpu")
+    return model, prompts, want, cache
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_engine_on_flashinfer_plans_at_most_once_per_step_and_equals_torch(overlap):
     """The serving engine (auto: full graphs for decode, piecewise otherwise, preemption) on the FlashInfer
     backend: every request's tokens equal torch eager greedy decoding alone, and each step plans a wrapper once
     (the eager one lazily, or the graph size's), which the step stats report."""
-    from piecegraph.attention.backends.flashinfer import FlashInferBackend
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
-    model = Decoder.random(CFG, seed=1).eval()
-    rng = random.Random(4)
-    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(6)]
-    want = [generate(model, [p], 6)[0] for p in prompts]
-    cache = KVCache(CFG, 12, 4, max_seq_len=32, backend="torch")
-    cache.backend = FlashInferBackend(CFG, "cpu")
-    config = EngineConfig(mode="auto", max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32,
-                          decode_sizes=(1, 2, 4), prefill_sizes=(4, 8, 16), compiler="eager", emulate_graphs=True,
-                          overlap=overlap)
-    engine = Engine(model, config, cache=cache)
+    model, prompts, want, cache = _engine_case(model_seed=1, prompt_seed=4, new=6)
+    engine = Engine(model, EngineConfig(mode="auto", overlap=overlap, **ENGINE), cache=cache)
     cache.backend.plans = 0  # capture planned each size once
     assert engine.generate(prompts, SamplingParams(max_new_tokens=6)) == want
     stats = engine.stats()
@@ -246,19 +256,11 @@ def test_engines_sharing_a_flashinfer_cache_alternate_and_equal_torch():
     """serve-bench --interleave's sharing: an auto and a piecewise engine on one FlashInfer cache (one set of
     per-size graph wrappers and eager wrappers, planned by whichever engine steps), their batches alternating:
     every request's tokens equal torch eager greedy decoding alone."""
-    from piecegraph.attention.backends.flashinfer import FlashInferBackend
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
-    model = Decoder.random(CFG, seed=2).eval()
-    rng = random.Random(6)
-    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(6)]
-    want = [generate(model, [p], 5)[0] for p in prompts]
-    cache = KVCache(CFG, 12, 4, max_seq_len=32, backend="torch")
-    cache.backend = FlashInferBackend(CFG, "cpu")
-    base = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32, decode_sizes=(1, 2, 4),
-                prefill_sizes=(4, 8, 16), compiler="eager", emulate_graphs=True)
-    auto = Engine(model, EngineConfig(mode="auto", **base), cache=cache)
-    piecewise = Engine(model, EngineConfig(mode="piecewise", **base), cache=cache)
+    model, prompts, want, cache = _engine_case(model_seed=2, prompt_seed=6, new=5)
+    auto = Engine(model, EngineConfig(mode="auto", **ENGINE), cache=cache)
+    piecewise = Engine(model, EngineConfig(mode="piecewise", **ENGINE), cache=cache)
     for engine in (auto, piecewise, auto, piecewise):
         assert engine.generate(prompts, SamplingParams(max_new_tokens=5)) == want
     assert "full" in auto.stats()["by_kind"] and cache.num_free_pages == cache.num_pages - 1
