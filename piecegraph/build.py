@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -15,10 +17,14 @@ import torch
 from .adapters.jit_clock import JitBuild
 from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
 from .binding_snapshot import BindingSnapshot, restore_binding, snapshot_binding
+from .cache.session import CacheEntry
 from .config import Config
 from .graphs.breakable import build_breakable_program
-from .program import TokenCountMismatch
+from .graphs.memory import GraphMemory
+from .program import Program, TokenCountMismatch
 from .runner import FlatRunner
+from .trace.aot_load import PackagedProgram, can_load, load_packaged
+from .trace.aot_package import PROGRAM_FILE, PackageRecorder
 from .trace.backend import build_program, graph_memory, placeholder_facts
 from .trace.snapshot import (
     GraphSnapshot,
@@ -66,7 +72,8 @@ class TraceSnapshot:
 
 def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, runners: list[FlatRunner],
                 verify_sizes: float | None = None, startup: Startup | None = None,
-                snapshots: list[GraphSnapshot | None] | None = None) -> tuple[Callable[..., Any], Binding | None]:
+                snapshots: list[GraphSnapshot | None] | None = None, packages: PackageRecorder | None = None
+                ) -> tuple[Callable[..., Any], Binding | None]:
     """Trace ``model`` with Dynamo once, on copies of the call's arguments (its tensors are never written).
 
     Every compile appends its runner to ``runners``, a recompile on a later call too; the trace call itself runs
@@ -74,7 +81,8 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
     calls skip Dynamo (``None``: they go through it). ``verify_sizes``: how many captured sizes each runner
     verifies (default: the config's ``verify``). ``startup``: where the seconds go (a recompile's too).
     ``snapshots``: when given, the first graph is snapshotted (appended, ``None`` if it cannot be) and the program
-    built from the restored snapshot, so a warm start loading it compiles the very same code. Dynamo's errors
+    built from the restored snapshot, so a warm start loading it compiles the very same code. ``packages``: the
+    first program's units are packaged by AOTInductor where they can be (trace/aot_package.py). Dynamo's errors
     propagate."""
     trace_values = trace_copies(values, config.token_dim, config.static_inputs)
     examples: list[list[Any]] = []
@@ -91,7 +99,7 @@ def trace_model(model: torch.nn.Module, values: dict[str, Any], config: Config, 
         with torch._guards.tracing(None) if restored else contextlib.nullcontext():
             memory = graph_memory(gm, config)  # before compiling: Inductor rewrites the graph it is given
             start = time.perf_counter()
-            program = build_program(gm, inputs, config)
+            program = build_program(gm, inputs, config, packages if not examples else None)
             startup.compile_s += time.perf_counter() - start
         runner = FlatRunner(program, config, tracing=not examples, verify_sizes=verify_sizes, memory=memory)
         examples.append(list(example_inputs))
@@ -145,23 +153,50 @@ def trace_snapshot(graph: GraphSnapshot | None, binding: Binding | None, model: 
 
 
 def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, runners: list[FlatRunner],
-               verify_sizes: float | None = None, startup: Startup | None = None) -> Binding:
+               verify_sizes: float | None = None, startup: Startup | None = None,
+               packages: PackageRecorder | None = None) -> Binding:
     """The program of ``snapshot`` built without Dynamo (its graph restored, split and compiled as a trace
     would be) and bound to ``model``; its runner is appended to ``runners`` and captures at once (no trace
     call). ``LookupError`` when the model's tensors are not those snapshotted, its plain attributes or a source
-    file the trace came from changed (what Dynamo's guards would have caught); the caller traces anew then."""
+    file the trace came from changed (what Dynamo's guards would have caught); the caller traces anew then.
+    ``packages``: as :func:`trace_model`'s."""
     startup = startup or Startup()
     start = time.perf_counter()
-    if attribute_digest(model) != snapshot.attributes:
-        raise LookupError("the model's attributes (numbers, flags, strings) changed since it was traced")
-    check_fresh(snapshot.graph)
-    binding = restore_binding(snapshot.binding, model)
+    binding = _check_and_bind(model, snapshot)
     gm, fakes = restore_graph(snapshot.graph)
     memory = graph_memory(gm, config)  # in trace_s, as a traced start counts it
     startup.trace_s += time.perf_counter() - start
     start = time.perf_counter()
-    program = build_program(gm, fakes, config)
+    program = build_program(gm, fakes, config, packages)
     startup.compile_s += time.perf_counter() - start
+    return _bound_runner(program, config, verify_sizes, memory, binding, runners)
+
+
+def load_packaged_trace(model: torch.nn.Module, snapshot: TraceSnapshot, record: PackagedProgram, folder: Path,
+                        config: Config, runners: list[FlatRunner], verify_sizes: float | None = None,
+                        startup: Startup | None = None) -> Binding:
+    """As :func:`load_trace`, but the program is built from the AOTInductor packages of ``record`` (files in
+    ``folder``): neither Dynamo nor Inductor is imported, nothing traced or compiled (trace/aot_load.py). The
+    same ``LookupError`` when the model does not fit the snapshot; the loader's error when a package does not
+    load."""
+    startup = startup or Startup()
+    start = time.perf_counter()
+    binding = _check_and_bind(model, snapshot)
+    program, memory = load_packaged(record, folder, config)
+    startup.compile_s += time.perf_counter() - start
+    return _bound_runner(program, config, verify_sizes, memory, binding, runners)
+
+
+def _check_and_bind(model: torch.nn.Module, snapshot: TraceSnapshot) -> Binding:
+    """The snapshot's binding on ``model``, after checking the model is what was traced (see load_trace)."""
+    if attribute_digest(model) != snapshot.attributes:
+        raise LookupError("the model's attributes (numbers, flags, strings) changed since it was traced")
+    check_fresh(snapshot.graph)
+    return restore_binding(snapshot.binding, model)
+
+
+def _bound_runner(program: Program, config: Config, verify_sizes: float | None, memory: GraphMemory | None,
+                  binding: Binding, runners: list[FlatRunner]) -> Binding:
     runner = FlatRunner(program, config, verify_sizes=verify_sizes, memory=memory)
     runner.label_inputs(binding.labels())
     runner.stage_caller_statics(binding.caller_indices())
@@ -228,3 +263,45 @@ class TimedAdvisor:
                 startup.diagnose_s += time.perf_counter() - start - (startup.trace_s + startup.compile_s - own)
 
         return timed
+
+
+def wants_packages(config: Config, values: dict[str, Any]) -> bool:
+    """Whether this start packages its units with AOTInductor, or loads such packages (``Config.aot_package``:
+    ``None`` means when the call's tensors are on CUDA and graphs are real); a cache is needed as well."""
+    if config.aot_package is False or config.mode not in ("piecewise", "full", "auto") or not can_load():
+        return False
+    if config.aot_package:
+        return True
+    return not config.emulate_graphs and any(
+        isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
+
+
+def package_recorder(config: Config, values: dict[str, Any], entry: CacheEntry) -> PackageRecorder | None:
+    """A recorder for a start that compiles and should leave packages in the cache entry, else ``None``."""
+    if not entry.enabled or entry.scratch is None or not wants_packages(config, values):
+        return None
+    return PackageRecorder(entry.scratch / "aot")
+
+
+def packaged_record(config: Config, values: dict[str, Any], entry: CacheEntry) -> PackagedProgram | None:
+    """The cache entry's packaged program when this start should load it, else ``None`` (none there, or not
+    wanted: ``Config.aot_package``)."""
+    if not entry.enabled or entry.trace is None or PROGRAM_FILE not in entry.files or not wants_packages(
+            config, values):
+        return None
+    return pickle.loads(entry.files[PROGRAM_FILE])
+
+
+def publish_packages(recorder: PackageRecorder | None, runners: list[FlatRunner], plain: bool, entry: CacheEntry,
+                     report: dict[str, Any]) -> None:
+    """Hand the cache entry the packages of a start's one program (``plain``: nothing wrapped by automatic
+    opaque, whose ops a later process would not have), and say in ``report["aot"]`` what was packaged."""
+    if recorder is None:
+        return
+    result = recorder.finish(runners[0].program, runners[0].memory) if plain and len(runners) == 1 else None
+    if result is None:
+        report["aot"] = f"not packaged: {recorder.why_not or 'the program is not one packaged trace'}"
+        return
+    record, files = result
+    entry.new_files.update(files)
+    report["aot"] = f"packaged {len(record.units)} units in {recorder.seconds:.1f} s"

@@ -118,6 +118,15 @@ class Config:
             more warm-up run of the largest size kept measures its pool (``graph_memory["pool_measured_bytes"]``);
             a size measured over the limit is refused with a warning and runs without graphs, and the next size
             down is measured. ``None`` (default): no limit (the measurement is still made and reported).
+        aot_package: with a cache (``cache_dir``), compile each piece (``mode="full"``: the whole graph) by
+            exporting it with the token count dynamic and packaging it with AOTInductor, and keep the packages in
+            the cache entry. A warm start then loads them through torch's C++ package loader and builds the program
+            from the cached trace without importing Dynamo, Inductor or sympy (:mod:`piecegraph.trace.aot_load`).
+            Each package is checked against its piece run eagerly before it is used; a piece that cannot be
+            exported or packaged (or checked) leaves the program on Inductor's usual code, and the entry without
+            packages. Not with static compiles (``compile_sizes``) or a program that writes its inputs. ``None``
+            (default): on CUDA with a cache and real graphs; ``True``: wherever a cache is (CPU too); ``False``:
+            never.
     """
 
     mode: str = "piecewise"
@@ -142,6 +151,7 @@ class Config:
     progress: bool | None = None
     graph_memory_limit: int | None = None
     full_compile: str = "whole"
+    aot_package: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -154,7 +164,7 @@ class Config:
         for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={describe(getattr(self, name))} must be True or False")
-        for name in ("verify", "auto_opaque", "progress"):
+        for name in ("verify", "auto_opaque", "progress", "aot_package"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={describe(getattr(self, name))} must be True, False or None")
         tol = self.verify_tol

@@ -32,7 +32,11 @@ from .build import (
     TimedAdvisor,
     TraceSnapshot,
     breakable_model,
+    load_packaged_trace,
     load_trace,
+    package_recorder,
+    packaged_record,
+    publish_packages,
     static_from_mismatch,
     trace_model,
     trace_snapshot,
@@ -48,6 +52,7 @@ from .ops.prewarm import prewarm
 from .ops.split import split_op_names
 from .program import TokenCountMismatch, check_token_dim, kept_buffers
 from .runner import FlatRunner
+from .trace.aot_package import PackageRecorder
 from .weights import WeightWatch
 
 log = logging.getLogger("piecegraph")
@@ -97,6 +102,7 @@ class GraphedModule(torch.nn.Module):
         self._trace_source: GraphedModule | None = None  # trace_from(): whose trace this module's program reuses
         self._shares_trace = False  # another module reuses this one's trace: keep its snapshot
         self._snapshot: TraceSnapshot | None = None
+        self._packages: PackageRecorder | None = None  # a cold start's AOTInductor packages (trace/aot_package.py)
 
     def __deepcopy__(self, memo: dict) -> GraphedModule:
         """A copy of the model, compiled anew on its first call (compiled code and graphs are not copied)."""
@@ -179,10 +185,10 @@ class GraphedModule(torch.nn.Module):
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
         self._startup = Startup()
         start = time.perf_counter()
-        if self.config.mode != "breakable":  # breakable runs no Dynamo and no Inductor
-            self._startup.compiler_import_s = _import_compiler_stack()
         with jit_builds() as builds, compile_cache(self.model, values, self.config, self._startup.cache) as entry:
             self._setup_stages(values, entry)
+            publish_packages(self._packages, self._runners, self._trace_fixes is None, entry, self._startup.cache)
+            self._packages = None
         self._startup.jit.extend(builds)
         self._startup.setup_s = time.perf_counter() - start
         held = hold_routed()  # Dynamo may have traced through another module's automatic opaque routes
@@ -196,6 +202,12 @@ class GraphedModule(torch.nn.Module):
         with kept_buffers(self.model):
             if self.config.prewarm:
                 self._startup.prewarm_s = prewarm(self.model, **scratch_arguments(values)).seconds
+            if self._load_packages(values, entry):
+                return
+            if mode != "breakable":  # breakable runs no Dynamo and no Inductor
+                self._startup.compiler_import_s = _import_compiler_stack()
+            entry.compiling()
+            self._packages = package_recorder(self.config, values, entry)
             if mode == "breakable":  # no trace to see token-mixing ops in: verify unless told otherwise
                 verify = True if self.config.verify is None else self.config.verify
                 self._setup_breakable(values, self.config.replace(verify=verify))
@@ -232,6 +244,29 @@ class GraphedModule(torch.nn.Module):
             entry.trace = None  # so the new trace replaces it
             return False
         self._startup.cache["trace"] = "loaded"
+        return True
+
+    def _load_packages(self, values: dict[str, Any], entry: CacheEntry) -> bool:
+        """Build the program from the cache's AOTInductor packages (no Dynamo, no Inductor imported); False when
+        there are none for this start, or (with a warning) when they do not fit: then it compiles."""
+        try:
+            record = packaged_record(self.config, values, entry)
+            if record is None:
+                return False
+            snapshot = pickle.loads(entry.trace)
+            config = self.config.replace(static_inputs=snapshot.static_inputs)
+            built, verify = piecewise_config(config) if config.mode == "auto" else (config, None)
+            binding = load_packaged_trace(self.model, snapshot, record, entry.folder, built, self._runners, verify,
+                                          self._startup)
+        except Exception as err:  # noqa: BLE001  (never run what does not fit: compile instead, and say so)
+            log.warning("piecegraph cache: the compiled packages could not be used (%s: %s); compiling anew",
+                        type(err).__name__, err)
+            self._reset()
+            return False
+        self.config, self._binding, self._compiled = config, binding, self.runner
+        self._weights.bind(binding)
+        self._snapshot = snapshot if self._shares_trace else None
+        self._startup.cache["trace"] = "packaged"
         return True
 
     def trace_from(self, other: GraphedModule) -> None:
@@ -274,7 +309,7 @@ class GraphedModule(torch.nn.Module):
             snapshot = snapshot_of()
             config = self.config.replace(static_inputs=snapshot.static_inputs)
             built, verify = piecewise_config(config) if config.mode == "auto" else (config, None)
-            binding = load_trace(self.model, snapshot, built, self._runners, verify, self._startup)
+            binding = load_trace(self.model, snapshot, built, self._runners, verify, self._startup, self._packages)
         except Exception as err:  # noqa: BLE001  (never load what does not fit: trace anew, and say so)
             log.warning("%s could not be used (%s: %s); tracing anew", what, type(err).__name__, err)
             self._reset()
@@ -304,9 +339,11 @@ class GraphedModule(torch.nn.Module):
         """Trace with Dynamo once (:func:`~piecegraph.build.trace_model`) and bind; a tensor the trace shows is not
         a token input is added to the static inputs (this module's config too) and the model traced again."""
         while True:
+            if self._packages is not None:
+                self._packages.reset()  # a program traced again is packaged anew
             try:
                 self._compiled, self._binding = trace_model(self.model, values, config, self._runners, verify_sizes,
-                                                            self._startup, snapshots)
+                                                            self._startup, snapshots, self._packages)
                 break
             except Exception as err:  # noqa: BLE001  (Dynamo wraps the backend's error)
                 static = static_suspect(err, values, config.token_dim, config.static_inputs)

@@ -15,7 +15,8 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "aoti-probe" packages a block with AOTInductor and loads it
+# (first JIT, cold, warm) and checks the graph memory estimate; "startup-aot" times starts from AOTInductor packages
+# (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "aoti-probe" packages a block with AOTInductor and loads it
 # in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
 # shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto); "api-profile" lists the CUDA
@@ -75,7 +76,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 status=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-if has startup || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
+if has startup || has startup-aot || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
   # the packages a start imports, found without importing them (the site folders hold many more)
   dirs=$(python3 -c "
 import importlib.util as u
@@ -233,6 +234,23 @@ if has startup; then  # issue 24: first-JIT, cold and warm starts (fresh process
   PIECEGRAPH_OUT="$OUT" python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 \
     | tee "$OUT/startup_gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has startup-aot; then  # issue 24: starts from AOTInductor packages against Inductor's warm cache, side by side
+  # the first start builds FlashInfer's kernels (workspace kept out of the caches) and is a cold start without
+  # packages; then a cold start that packages, two warm starts from the packages, one warm start without them
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
+  one() {  # $1: name, $2: seconds allowed, $3: aot (0/1/""), $4: cache folder
+    PIECEGRAPH_START_AOT=$3 timeout "$2" python3 scripts/start_once.py "$4" >"$OUT/start_$1.json" 2>"$OUT/start_$1.err"
+    echo "$1 rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['ready_s'], 2), \
+      r['compiler_imported'], {m: (s['cache'], s['trace'], s.get('aot'), round(s['compile_s'], 2), \
+      round(s['capture_s'], 2)) for m, s in r['startup'].items()}, r['out_sum'])" "$OUT/start_$1.json" 2>&1 | tail -1)"
+  }
+  one jit_first 240 0 /tmp/pg-start-inductor
+  one cold_aot 420 "" /tmp/pg-start-aot
+  one warm_aot 90 "" /tmp/pg-start-aot
+  one warm_aot_again 90 "" /tmp/pg-start-aot
+  one warm_inductor 120 0 /tmp/pg-start-inductor
+  rm -rf /tmp/pg-start-inductor /tmp/pg-start-aot
 fi
 if has aoti-probe; then  # issue 24: a packaged piece loaded and run (and graph-replayed) without Dynamo or Inductor
   python3 scripts/aoti_warm_probe.py "$OUT/aoti" cuda 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/aoti_warm_probe.log"

@@ -7,7 +7,8 @@ and torch's cache counters (AOTAutograd's and Inductor's FX graph cache hits and
     python scripts/start_once.py CACHE_DIR [PROFILE_OUT]
 
 PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu make a dry run; PIECEGRAPH_START_LAYERS=N cuts the
-model to N layers; PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces (Config.full_compile).
+model to N layers; PIECEGRAPH_START_AOT=0 / 1 sets Config.aot_package to False / True (unset: None, packages on
+CUDA); PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces (Config.full_compile).
 PROFILE_OUT: cProfile's stats of the setup (model built to ready) written there, and its top functions by cumulative
 time printed to stderr.
 """
@@ -20,6 +21,7 @@ T0 = time.perf_counter()
 def main(cache_dir: str, profile_out: str | None = None) -> None:
     import json
     import os
+    import sys
 
     import torch
 
@@ -50,7 +52,8 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     pool = piecegraph.GraphPool()
-    common = dict(pool=pool, cache_dir=cache_dir, emulate_graphs=not cuda)
+    aot = {"0": False, "1": True}.get(os.environ.get("PIECEGRAPH_START_AOT", ""))
+    common = dict(pool=pool, cache_dir=cache_dir, emulate_graphs=not cuda, aot_package=aot)
     prefill = piecegraph.compile(model, mode="piecewise", max_tokens=512, **common)
     full_compile = os.environ.get("PIECEGRAPH_START_FULL_COMPILE", "whole")
     decode = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4, 8, 16, 32, 64), full_compile=full_compile,
@@ -61,7 +64,6 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
     t_ready = time.perf_counter()
     if profiler is not None:
         import pstats
-        import sys
 
         profiler.disable()
         profiler.dump_stats(profile_out)
@@ -73,10 +75,12 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
     with piecegraph.forward_context(meta):
         out = prefill(ids, meta.positions).float()
     stats = {name: m.stats() for name, m in (("prefill", prefill), ("decode", decode))}
-    from torch._dynamo.utils import counters
+    torch_caches = {}
+    if "torch._dynamo" in sys.modules:  # a start from packages imports no Dynamo: nothing to count
+        from torch._dynamo.utils import counters
 
-    torch_caches = {k: v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
-                    if "cache" in k}
+        torch_caches = {k: v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
+                        if "cache" in k}
     print(json.dumps({
         "backend": backend, "model": os.environ.get("PIECEGRAPH_START_MODEL", "qwen2.5-0.5b"),
         "import_torch_s": t_torch - T0, "import_piecegraph_s": t_pg - t_torch, "model_s": t_model - t_pg,
@@ -86,6 +90,7 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         "graph_memory": {k: s["graph_memory"] for k, s in stats.items()},
         "pool_bytes": stats["prefill"]["pool_bytes"], "torch_caches": torch_caches,
         "out_sum": out.sum().item(), "out_head": out[:2, :8].tolist(),
+        "compiler_imported": [m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules],
     }, default=str))
 
 

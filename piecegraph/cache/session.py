@@ -7,10 +7,11 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -27,21 +28,37 @@ TRACE = "trace.pkl"  # the traced program (build.TraceSnapshot, pickled): a warm
 @dataclass
 class CacheEntry:
     """What the setup inside :func:`compile_cache` reads and adds: ``trace``, the loaded entry's traced program
-    (bytes, or ``None``); ``new_trace``, set by a setup that traced, published with the entry."""
+    (bytes, or ``None``); ``files``, all the loaded entry's files (name -> bytes; ``folder`` holds them);
+    ``new_trace``, set by a setup that traced, and ``new_files`` (its AOTInductor packages), published with the
+    entry. A setup that compiles calls :meth:`compiling` first: only then are torch's compiler caches pointed at
+    the entry and the mega-cache loaded (importing Dynamo and Inductor), so a start that loads packages imports
+    neither."""
 
     enabled: bool = False
     trace: bytes | None = None
     new_trace: bytes | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    folder: Path | None = None
+    new_files: dict[str, bytes] = field(default_factory=dict)
+    scratch: Path | None = None  # a folder for this start's own files, removed when the block ends
+    compile_hook: Callable[[], None] | None = None
+
+    def compiling(self) -> None:
+        """Say that this start compiles (once is enough): torch's caches are prepared for it."""
+        hook, self.compile_hook = self.compile_hook, None
+        if hook is not None:
+            hook()
 
 
 @contextlib.contextmanager
 def compile_cache(model: torch.nn.Module, values: dict[str, Any], config: Any, report: dict[str, Any]
                   ) -> Iterator[CacheEntry]:
-    """Around a GraphedModule's setup (trace and compile): nothing when the config has no cache; else warm
-    torch's caches from a valid entry first, or publish one after a cold setup that succeeded. Fills ``report``:
-    ``cache`` ("off", "warm", "cold", or "rebuilt (<why>)"), ``cache_key``, ``cache_load_s``, ``cache_save_s``
-    and Inductor's FX graph cache hits and misses during the block. Yields the :class:`CacheEntry` of the block
-    (``enabled`` false without a cache)."""
+    """Around a GraphedModule's setup (trace and compile): nothing when the config has no cache; else look its
+    entry up (under the key's lock, the whole block), warm torch's caches from it once the setup says it compiles
+    (:meth:`CacheEntry.compiling`), and publish an entry after a cold setup that succeeded, or one that added
+    files. Fills ``report``: ``cache`` ("off", "warm", "cold", or "rebuilt (<why>)"), ``cache_key``,
+    ``cache_load_s``, ``cache_save_s`` and, when it compiled, Inductor's FX graph cache hits and misses during
+    the block. Yields the :class:`CacheEntry` of the block (``enabled`` false without a cache)."""
     root = resolve_cache_dir(config.cache_dir)
     entry = CacheEntry()
     if root is None or config.mode == "breakable" or config.compiler != "inductor":  # nothing Inductor compiles
@@ -60,50 +77,75 @@ def compile_cache(model: torch.nn.Module, values: dict[str, Any], config: Any, r
             report["cache"] = "off (lock timeout)"
             yield entry
             return
-        stack.enter_context(inductor_dir(root))
         stack.enter_context(flashinfer_workspace(root))
-        before = _fx_counters()
-        files = _load(store, key, material, report)
-        entry.enabled, entry.trace = True, (files or {}).get(TRACE)
-        if files is not None:
-            stack.enter_context(_in_process_loads())
+        found = _lookup(store, key, material, report)
+        entry.enabled, entry.files, entry.folder = True, found or {}, store.entry(key)
+        entry.trace = entry.files.get(TRACE)
+        entry.scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix="scratch-")))
+        counted: list[dict[str, int]] = []
+
+        def compiling() -> None:
+            counted.append(_fx_counters())
+            stack.enter_context(inductor_dir(root))
+            if found is not None and not _load_mega(found, report):
+                entry.files, entry.trace = {}, None  # torch refused its blob: the entry is rebuilt, trace too
+            if found is not None:
+                stack.enter_context(_in_process_loads())
+
+        entry.compile_hook = compiling
         yield entry
-        report["fx_graph_cache"] = {k: v - before.get(k, 0) for k, v in _fx_counters().items()}
-        # Publish a cold start; refresh a warm one that compiled, or traced a program the entry lacked.
-        if files is None or report["fx_graph_cache"]["fxgraph_cache_miss"] or (
-                entry.new_trace is not None and entry.trace is None):
-            _save(store, key, material, report, entry.new_trace or entry.trace)
+        if counted:
+            report["fx_graph_cache"] = {k: v - counted[0].get(k, 0) for k, v in _fx_counters().items()}
+        # Publish a cold start; refresh a warm one that compiled, traced a program the entry lacked, or packaged.
+        if found is None or not entry.files or report.get("fx_graph_cache", {}).get("fxgraph_cache_miss") or (
+                entry.new_trace is not None and entry.trace is None) or entry.new_files:
+            _save(store, key, material, report, entry.new_trace or entry.trace, entry.new_files, bool(counted))
 
 
-def _load(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> dict[str, bytes] | None:
+def _lookup(store: Store, key: str, material: dict[str, Any], report: dict[str, Any]) -> dict[str, bytes] | None:
+    """The entry's files when valid (the store's checks: manifest, material, checksums), else ``None``; no torch
+    compiler is imported for it."""
     start = time.perf_counter()
     found = store.load(key, material)
-    if found.files is not None and MEGA in found.files and _can_mega():
-        try:  # torch checks the blob too, and says None (with a logged warning) when it cannot use it
-            why = None if torch.compiler.load_cache_artifacts(found.files[MEGA]) is not None else "torch refused it"
-        except Exception as err:  # noqa: BLE001 - intact but unusable (torch's format moved): rebuild, never fail
-            why = f"{type(err).__name__}: {err}"
-        if why is not None:
-            found = type(found)(None, f"unloadable: {why}")
-    warm = found.files is not None
-    report["cache"] = "warm" if warm else ("cold" if found.reason == "absent" else f"rebuilt ({found.reason})")
+    report["cache"] = "warm" if found.files is not None else (
+        "cold" if found.reason == "absent" else f"rebuilt ({found.reason})")
     report["cache_load_s"] = time.perf_counter() - start
-    if not warm and found.reason != "absent":
+    if found.files is None and found.reason != "absent":
         log.warning("piecegraph cache: entry %s not used, %s; compiling anew and replacing it", key, found.reason)
     return found.files
 
 
-def _save(store: Store, key: str, material: dict[str, Any], report: dict[str, Any], trace: bytes | None) -> None:
+def _load_mega(files: dict[str, bytes], report: dict[str, Any]) -> bool:
+    """Load the entry's mega-cache blob into torch's caches; False (the report says why) when torch refuses it."""
+    if MEGA not in files or not _can_mega():
+        return True
+    start = time.perf_counter()
+    try:  # torch checks the blob too, and says None (with a logged warning) when it cannot use it
+        why = None if torch.compiler.load_cache_artifacts(files[MEGA]) is not None else "torch refused it"
+    except Exception as err:  # noqa: BLE001 - intact but unusable (torch's format moved): rebuild, never fail
+        why = f"{type(err).__name__}: {err}"
+    report["cache_load_s"] = report.get("cache_load_s", 0.0) + time.perf_counter() - start
+    if why is None:
+        return True
+    report["cache"] = f"rebuilt (unloadable: {why})"
+    log.warning("piecegraph cache: entry %s not used, unloadable: %s; compiling anew and replacing it",
+                report.get("cache_key"), why)
+    return False
+
+
+def _save(store: Store, key: str, material: dict[str, Any], report: dict[str, Any], trace: bytes | None,
+          extra: dict[str, bytes], compiled: bool) -> None:
     start = time.perf_counter()
     files: dict[str, bytes] = {}
-    if _can_mega():
+    if compiled and _can_mega():
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             files[MEGA] = saved[0]
     if trace is not None:
         files[TRACE] = trace
+    files.update(extra)
     store.save(key, material, files, info={"torch": torch.__version__, "mega": MEGA in files,
-                                           "trace": trace is not None})
+                                           "trace": trace is not None, "files": sorted(files)})
     report["cache_save_s"] = time.perf_counter() - start
 
 

@@ -14,6 +14,8 @@ from ..graphs.capture import GraphedPiece
 from ..graphs.memory import GraphMemory, estimate_graph_memory
 from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
+from .aot_load import bind_pieces
+from .aot_package import PackageRecorder
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
 from .same_pieces import piece_key
@@ -145,9 +147,13 @@ def _token_outputs(gm: torch.fx.GraphModule, token_dim: int, sym: Any, num_token
     return flags
 
 
-def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: str) -> Callable[..., Any]:
+def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: str,
+                   packages: PackageRecorder | None = None, has_split_op: bool = False) -> Callable[..., Any]:
     if compiler == "eager":
         return sub
+    packaged = packages.compile(sub, fake_args, has_split_op) if packages is not None else None
+    if packaged is not None:
+        return packaged
     from torch._inductor.compile_fx import compile_fx
 
     # AOTAutograd's cache key hashes the module's attribute dict as pickled, in insertion order, and a piece built
@@ -164,10 +170,11 @@ def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: st
 
 def _compile_pieces(
     split_gm: torch.fx.GraphModule, infos: list[PieceInfo], fake_args: list[Any], fake_mode: Any, config: Config,
-    token_symbols: Any, sizes: tuple[int, ...],
+    token_symbols: Any, sizes: tuple[int, ...], packages: PackageRecorder | None = None,
 ) -> tuple[dict[str, Callable[..., Any]], dict[str, dict[int, Callable[..., Any]]], float]:
-    """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs, and
-    again per static compile size in ``sizes`` (``{piece: {size: fn}}``, with the seconds those took)."""
+    """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs (with
+    ``packages``: packaged by AOTInductor where it can), and again per static compile size in ``sizes``
+    (``{piece: {size: fn}}``, with the seconds those took)."""
     wanted = {info.name for info in infos if not info.is_split and info.num_ops > 0}
     compiled: dict[str, Callable[..., Any]] = {}
     static: dict[str, dict[int, Callable[..., Any]]] = {}
@@ -188,7 +195,7 @@ def _compile_pieces(
                 else:
                     log.debug("piecegraph: compiling %s", target)
                     single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
-                    compiled[target] = _compile_piece(sub, list(args), config.compiler)
+                    compiled[target] = _compile_piece(sub, list(args), config.compiler, packages)
                     if sizes:
                         static[target], took = compile_static(sub, list(args), token_symbols, sizes, target,
                                                               single)
@@ -218,11 +225,13 @@ def _static_sizes(config: Config, token_symbols: Any, works_along_tokens: bool) 
     return config.static_compile_sizes
 
 
-def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config) -> Program:
+def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+                  packages: PackageRecorder | None = None) -> Program:
     """Split ``gm`` (mode piecewise / none) or keep it whole (mode full), compile, and wrap pieces for capture.
 
     ``example_inputs`` are what Dynamo hands a backend. Every compiled piece is compiled once, for the symbolic
-    token count, under the fake mode of the trace. Returns a :class:`Program`; nothing is captured yet.
+    token count, under the fake mode of the trace. ``packages``: compile by AOTInductor packages where the
+    program allows (see trace/aot_package.py). Returns a :class:`Program`; nothing is captured yet.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds, sym, names, caller = _classify_inputs(placeholders, config.token_dim)
@@ -250,6 +259,8 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     # plan or write state that only their own capture may touch).
     measure = config.compile_sizes in ("auto", "reductions") and not written and config.mode != "full"
     static_sizes = _static_sizes(config, sym, bool(found))
+    if packages is not None:
+        _refuse_packages(packages, config, sym, static_sizes, written)
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
@@ -257,18 +268,20 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
             fn = _compiled_by_pieces(gm, fake_args, fake_mode, config, sym)
         else:
             with fake_mode:
-                fn = _compile_piece(gm, fake_args, config.compiler)
+                fn = _compile_piece(gm, fake_args, config.compiler, packages, has_split_op=True)
         static, static_s = compile_static(gm, fake_args, sym, static_sizes, "graph", single) if static_sizes \
             else ({}, 0.0)
         pieces = [GraphedPiece("graph", fn, state, static, measure)]
         call = pieces[0]
     else:
         split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
+        if packages is not None:
+            packages.keep_skeleton(split_gm, infos)
         compiled, statics, static_s = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, sym,
-                                                      static_sizes)
+                                                      static_sizes, packages)
         graphed = {info.name: GraphedPiece(info.name, compiled[info.name], state, statics.get(info.name), measure)
                    for info in infos if info.name in compiled}
-        call = _bind_pieces(split_gm, infos, graphed)
+        call = bind_pieces(split_gm, infos, graphed)
         pieces = list(graphed.values())
     if static_s:
         log.info("piecegraph: static compiles for sizes %s took %.1f s", static_sizes, static_s)
@@ -288,6 +301,21 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     )
 
 
+def _refuse_packages(packages: PackageRecorder, config: Config, token_symbols: Any, static_sizes: tuple[int, ...],
+                     written: list[int]) -> None:
+    """Stop ``packages`` for a program whose code it cannot stand for (the units then compile as usual)."""
+    if config.compiler != "inductor":
+        packages.refuse(f"compiler={config.compiler!r}")
+    elif not token_symbols:
+        packages.refuse("the trace has a fixed token count")
+    elif static_sizes:
+        packages.refuse(f"static compiles for sizes {static_sizes} (compile_sizes)")
+    elif written:
+        packages.refuse("the program writes its inputs")
+    elif config.mode == "full" and config.full_compile == "pieces":
+        packages.refuse("full_compile='pieces'")
+
+
 def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mode: Any, config: Config,
                         token_symbols: Any) -> Callable[..., Any]:
     """``gm`` as ``Config(full_compile="pieces")`` compiles it for a full graph: cut at the split ops, each piece
@@ -295,28 +323,7 @@ def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mod
     one :class:`GraphedPiece` of ``mode="full"`` captures, split ops included. Same inputs and outputs as ``gm``."""
     split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
     compiled, _, _ = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, token_symbols, ())
-    return _bind_pieces(split_gm, infos, compiled)
-
-
-def _bind_pieces(split_gm: torch.fx.GraphModule, infos: list[PieceInfo], pieces: dict[str, Callable[..., Any]]
-                 ) -> Callable[..., Any]:
-    """``split_gm``'s forward, bound, with ``pieces`` (name -> what runs it) in place of their submodules and each
-    split op's submodule as its plain forward."""
-    for info in infos:
-        if info.name in pieces:
-            split_gm.__dict__[info.name] = pieces[info.name]  # the generated forward looks submodules up by attribute
-        elif info.is_split:  # runs eagerly every step, per layer: its forward, without nn.Module's call path
-            split_gm.__dict__[info.name] = _plain_forward(getattr(split_gm, info.name))
-    return _plain_forward(split_gm)  # not split_gm(...): nn.Module's call machinery costs every replay
-
-
-def _plain_forward(sub: torch.fx.GraphModule) -> Callable[..., Any]:
-    """``sub``'s generated forward, bound: what calling ``sub`` runs, minus nn.Module's and GraphModule's call
-    wrappers (~10 us per call under a profiler; the split module runs every step, a split op once per layer per
-    step). Nothing registers hooks on these internal modules."""
-    if hasattr(sub, "real_recompile"):  # a lazy GraphModule: generate its forward now, not on a call
-        sub.real_recompile()
-    return sub.forward
+    return bind_pieces(split_gm, infos, compiled)
 
 
 def placeholder_facts(gm: torch.fx.GraphModule) -> tuple[list[Any], list[str], list[bool]]:
