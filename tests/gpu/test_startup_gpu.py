@@ -1,5 +1,5 @@
 """Start in seconds, on a GPU (issue 24): a second process with the artifact cache warm loads the traced
-programs (no Dynamo) and is ready (every capture size captured) in <= 5 s; a cold start without FlashInfer's
+programs and their AOTInductor packages (no Dynamo, no Inductor) and is ready (every capture size captured) in <= 5 s; a cold start without FlashInfer's
 first JIT build in <= 30 s; the graph memory estimated before capture within 10% of the pool capture used; each
 size's capture milliseconds. Writes ``startup_gpu.json`` under ``$PIECEGRAPH_OUT``. The 0.5B shape of the
 reference decoder, bf16, FlashInfer attention when it imports (else torch's). ``PIECEGRAPH_START_MODEL=tiny``
@@ -53,7 +53,9 @@ def test_warm_start_and_cold_start_without_jit_build(tmp_path, record_result):
     record_result("startup_gpu.json", "summary", summary)
     assert [s["cache"] for s in cold["startup"].values()] == ["cold", "cold"]
     assert [s["cache"] for s in warm["startup"].values()] == ["warm", "warm"]
-    assert [s["trace"] for s in warm["startup"].values()] == ["loaded", "loaded"]  # no Dynamo on a warm start
+    # the AOTInductor packages (Config.aot_package, on by default on CUDA): no Dynamo, Inductor or sympy imported
+    assert [s["trace"] for s in warm["startup"].values()] == ["packaged", "packaged"]
+    assert warm["compiler_imported"] == []
     assert warm["out_head"] == cold["out_head"]  # the same compiled code: the same bits
     assert summary["cold_without_jit_s"] <= 30, summary
     assert summary["warm_ready_s"] <= 5, summary
