@@ -72,6 +72,8 @@ class EngineConfig:
             (its ``auto-pieces`` row sets both).
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
+        aot_package: with a cache, keep AOTInductor packages of the modules' compiled pieces in it, so a warm
+            start imports no compiler (``piecegraph.Config(aot_package=...)``; ``None``: on CUDA).
         graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate, or whose
             measurement before capture, is over it are left out, named in a warning, and run without graphs.
             ``None``: no limit.
@@ -101,6 +103,7 @@ class EngineConfig:
     full_compile: str = "whole"
     share_trace: bool = False
     cache_dir: Any = None
+    aot_package: bool | None = None
     graph_memory_limit: int | None = None
     auto_opaque: bool | None = None
 

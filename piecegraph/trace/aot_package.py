@@ -4,8 +4,9 @@ start and every warm start run the very same code (see :mod:`piecegraph.trace.ao
 
 A traced unit takes the token count as an int input too (Dynamo's SymInt), which ``torch.export`` cannot keep
 symbolic: each such input is read as ``sym_size`` of a tensor input holding the same symbol instead, and the
-package is called without it. Example inputs are made from the trace's fake values at 17 tokens (random floats,
-zero integers; the fakes' strides kept), which is also what the check runs on. Anything the recorder cannot do
+package is called without it. Example inputs are made from the trace's fake values at the traced token count
+(:func:`traced_tokens`; random floats, zero integers; the fakes' strides kept), which is also what the check runs
+on. Anything the recorder cannot do
 (export, packaging, a check off by more than the tolerance, a unit returning a non-tensor) leaves that unit and
 every later one on Inductor's usual code, with the reason logged and reported, and the entry without packages.
 """
@@ -28,7 +29,7 @@ from .static import returns_one_value
 
 log = logging.getLogger("piecegraph")
 PROGRAM_FILE = "packaged.pkl"
-EXAMPLE_TOKENS = 17  # the example inputs' token count: not 0 or 1 (export would specialise it), no common size
+EXAMPLE_TOKENS = 17  # examples' token count when the trace's is unknown: not 0 or 1 (export would specialise it)
 
 
 class PackageRecorder:
@@ -114,7 +115,8 @@ class PackageRecorder:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch._guards.tracing(None):
-            args = [example_tensor(f, EXAMPLE_TOKENS) for f in kept_fakes]
+            tokens = traced_tokens(kept_fakes)
+            args = [example_tensor(f, tokens) for f in kept_fakes]
             dims = dynamic_dims(kept_fakes)
             varargs = any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(sub.forward).parameters.values())
             exported = torch.export.export(sub, tuple(args), dynamic_shapes=(dims,) if varargs else dims,
@@ -153,6 +155,19 @@ def int_inputs_as_sizes(sub: torch.fx.GraphModule, fakes: list[Any]) -> tuple[to
         sub.graph.erase_node(node)
     sub.recompile()
     return sub, kept
+
+
+def traced_tokens(fakes: list[Any]) -> int:
+    """The token count the unit was traced with (its first token symbol's hint), or 17 when that is unknown or
+    below 2 (export would specialise 0 and 1). Examples at the traced count give Inductor the size hints the
+    usual compile had, so both choose the same kernel configurations: on the H200, examples at 17 tokens gave a
+    whole 0.5B decode graph whose bf16 tokens drifted from the usual compile's after 5-31 steps."""
+    for fake in fakes:
+        for n in getattr(fake, "shape", ()):
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                hint = n.node.hint
+                return int(hint) if hint is not None and int(hint) >= 2 else EXAMPLE_TOKENS
+    return EXAMPLE_TOKENS
 
 
 def _concrete(n: Any, tokens: int) -> int:

@@ -46,22 +46,27 @@ def _logits_of(model, backend):
     return logits
 
 
-def test_cached_engine_starts_give_the_uncached_engines_tokens(tmp_path, record_result):
+@pytest.mark.parametrize("aot", [True, False])
+def test_cached_engine_starts_give_the_uncached_engines_tokens(tmp_path, record_result, aot):
     backend = "torch" if flashinfer_available(torch.device("cuda")) else "flashinfer"
     model = Decoder.random(QWEN2_5_0_5B, seed=0, dtype=torch.bfloat16, device="cuda").eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(16, 300))] for _ in range(8)]
-    outs = {}
+    outs, starts = {}, {}
     for name, cache_dir in (("none", None), ("cold", tmp_path), ("warm", tmp_path)):
         config = EngineConfig(mode="auto", max_num_seqs=16, max_num_batched_tokens=2048, max_seq_len=832,
-                              attention_backend=backend, compiler="inductor", cache_dir=cache_dir)
+                              attention_backend=backend, compiler="inductor", cache_dir=cache_dir, aot_package=aot)
         engine = Engine(model, config)
         outs[name] = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+        report = engine.capture_report()
+        starts[name] = {"decode_choice": report.get("decode_choice"), **{
+            kind: {k: v for k, v in (m.get("startup") or {}).items() if k in ("cache", "trace", "aot", "setup_s")}
+            for kind, m in report["modules"].items()}}
         del engine
         torch.cuda.empty_cache()
     judge = _logits_of(model, backend)
     found = {name: first_divergences(prompts, outs[name], outs["none"], judge) for name in ("cold", "warm")}
-    record_result("cache_gpu.json", "divergences", {"backend": backend, **found})
+    record_result("cache_gpu.json", f"divergences aot={aot}", {"backend": backend, "starts": starts, **found})
     for name, ties in found.items():
         assert all(t["step"] > 0 and t["bf16_steps_apart"] <= 1.0 for t in ties), (name, ties)
         assert len(ties) <= len(prompts) // 4, (name, ties)
