@@ -298,9 +298,12 @@ def publish_packages(recorder: PackageRecorder | None, runners: list[FlatRunner]
     opaque, whose ops a later process would not have), and say in ``report["aot"]`` what was packaged."""
     if recorder is None:
         return
+    kept = entry.new_trace is not None or entry.trace is not None  # a warm start loads packages with the trace
     result = recorder.finish(runners[0].program, runners[0].memory) if plain and len(runners) == 1 else None
-    if result is None:
-        report["aot"] = f"not packaged: {recorder.why_not or 'the program is not one packaged trace'}"
+    if result is None or not kept:
+        why = recorder.why_not or ("the trace could not be kept" if result is not None
+                                   else "the program is not one packaged trace")
+        report["aot"] = f"not packaged: {why}"
         return
     record, files = result
     entry.new_files.update(files)

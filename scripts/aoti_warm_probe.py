@@ -8,7 +8,8 @@ timed: what a cold start would add per distinct piece), then in a fresh process 
 package loader (``torch._C._aoti.AOTIModelPackageLoader``, a private API: ``torch._inductor.aoti_load_package``
 is the public one, and imports Inductor), runs it at several token counts against eager (on CUDA also replayed
 from a CUDA graph captured around it), and lists which of the compiler stack's modules the process imported.
-Then the same for piecegraph's own pieces of the tiny decoder (:func:`pieces`). Prints one JSON line.
+Then the same for piecegraph's own pieces of the tiny decoder (:func:`pieces`). Prints one JSON line. (What this
+probe found is what ``Config(aot_package=...)`` does now: trace/aot_package.py, trace/aot_load.py.)
 
     python scripts/aoti_warm_probe.py OUT_DIR [cpu|cuda]
 """
@@ -100,12 +101,13 @@ def pieces(folder: Path, device: str) -> list[dict]:
     import piecegraph.trace.backend as backend
     from piecegraph.attention import KVCache
     from piecegraph.models import TINY, Decoder, dummy_inputs
+    from piecegraph.trace.aot_package import int_inputs_as_sizes
 
     seen, compile_piece = [], backend._compile_piece
 
-    def keep(sub, args, compiler):
+    def keep(sub, args, compiler, *rest):
         seen.append((copy.deepcopy(sub), list(args)))
-        return compile_piece(sub, args, compiler)
+        return compile_piece(sub, args, compiler, *rest)
 
     backend._compile_piece = keep
     try:
@@ -117,7 +119,8 @@ def pieces(folder: Path, device: str) -> list[dict]:
         backend._compile_piece = compile_piece
     out = []
     for i, (sub, fakes) in enumerate(seen):
-        sub, fakes = _token_count_from_tensors(sub, fakes)
+        sub, kept = int_inputs_as_sizes(sub, fakes)
+        fakes = [fakes[k] for k in kept]
         args = [_real(a, 9, device) for a in fakes]
         dynamic = [{d: torch.export.Dim.DYNAMIC for d, n in enumerate(a.shape) if isinstance(n, torch.SymInt)}
                    or None for a in fakes]
@@ -135,27 +138,6 @@ def pieces(folder: Path, device: str) -> list[dict]:
         out.append({"piece": i, "inputs": len(args), "outputs": len(want), "export_and_package_s": seconds,
                     "worst_rel_err": max(errors, default=0.0), "uncompared_buffers": sorted(buffers)})
     return out
-
-
-def _token_count_from_tensors(sub, fakes):
-    """``sub`` without its int inputs: each read as ``sym_size`` of the first tensor input holding its symbol."""
-    import torch
-
-    nodes = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    first = next(n for n in sub.graph.nodes if n.op != "placeholder")
-    kept = []
-    for node, fake in zip(nodes, fakes):
-        if not isinstance(fake, torch.SymInt):
-            kept.append(fake)
-            continue
-        source = next((other, d) for other, t in zip(nodes, fakes) if isinstance(t, torch.Tensor)
-                      for d, n in enumerate(t.shape) if isinstance(n, torch.SymInt) and n.node.expr == fake.node.expr)
-        with sub.graph.inserting_before(first):
-            size = sub.graph.call_function(torch.ops.aten.sym_size.int, source)
-        node.replace_all_uses_with(size)
-        sub.graph.erase_node(node)
-    sub.recompile()
-    return sub, kept
 
 
 def _real(fake, tokens: int, device: str):

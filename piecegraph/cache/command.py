@@ -46,7 +46,10 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
     for row in rows:
         age = f"{(time.time() - row['created']) / 3600:.1f} h old" if row["created"] else "no manifest"
         state = "" if row["complete"] else " INCOMPLETE (rebuilt on next use)"
-        typer.echo(f"  {row['key']}  {row['model'] or '?'}  {_mib(row['bytes'])}  {age}{state}")
+        files = row["info"].get("files", [])
+        packages = sum(1 for f in files if f.endswith(".pt2"))
+        kept = f"  {packages} AOTInductor packages" if packages else ""
+        typer.echo(f"  {row['key']}  {row['model'] or '?'}  {_mib(row['bytes'])}  {age}{kept}{state}")
 
 
 @cache_app.command()

@@ -7,7 +7,6 @@ CPU (packaging compiles C++: ~6-10 s a unit here, so the cold entries are made o
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -18,10 +17,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 import piecegraph
-import piecegraph.build as build
 from piecegraph.attention import KVCache
+from piecegraph.cache.command import cache_app
 from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 from piecegraph.trace.aot_load import UnitSpec
 from piecegraph.trace.aot_package import PROGRAM_FILE, check_unit
@@ -31,38 +31,54 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
 SIZES = {"piecewise": (4, 16), "full": (1, 2, 4)}
 REPO = Path(__file__).resolve().parents[2]
 
-# One start in a fresh process: the tiny decoder, every size captured, one prefill of 7 tokens; prints its stats,
-# the output's bytes and which of the compiler stack's modules the process imported.
+# One start in a fresh process (the cache key names every registered split op, so an entry made in this test
+# process, where other tests registered theirs, is not a fresh process's): the tiny decoder, every size captured,
+# one step; prints its stats, the step's output, whether greedy generation equals eager's, and which of the
+# compiler stack's modules the process imported. argv: cache folder, mode, aot_package ("1" / "0"), and "broken"
+# to make every package load fail.
 START = r"""
 import json, sys
 import torch
 import piecegraph
+import piecegraph.build
 from piecegraph.attention import AttentionMetadata, KVCache
-from piecegraph.models import TINY, Decoder, dummy_inputs
+from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 torch.set_num_threads(1)
-root, mode = sys.argv[1], sys.argv[2]
+root, mode, aot = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if "broken" in sys.argv[4:]:
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error in dlopen: a package of another machine")
+    piecegraph.build.load_packaged = broken
 model = Decoder.random(TINY, seed=0).eval()
 cache = KVCache.for_sequences(TINY, 3, 48)
 sizes = (1, 2, 4) if mode == "full" else (4, 16)
 graphed = piecegraph.compile(model, mode=mode, capture_sizes=sizes, emulate_graphs=True, cache_dir=root,
-                             aot_package=True)
+                             aot_package=aot)
 graphed.capture(lambda n: dummy_inputs(model, cache, n))
 meta = AttentionMetadata.for_batch(cache, [(0, 0, 1 if mode == "full" else 7)])
 with piecegraph.forward_context(meta):
     out = graphed(torch.arange(meta.num_tokens) % TINY.vocab_size, meta.positions)
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
+role = {"prefill_fn": graphed} if mode == "piecewise" else {"decode_fn": graphed}
+equal = generate(model, prompts, 5, cache=cache, **role) == generate(model, prompts, 5)
+try:  # the loaded binding checks arguments as a traced one does
+    graphed(torch.zeros(2), torch.zeros(2, dtype=torch.long))
+    refused = ""
+except ValueError as err:
+    refused = str(err)
 startup = graphed.stats()["startup"]
 print(json.dumps({"cache": startup["cache"], "trace": startup["trace"], "aot": startup.get("aot"),
-                  "out": out.flatten().tolist(),
+                  "out": out.flatten().tolist(), "generate_equal": equal, "refused": refused,
                   "imported": [m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules]}))
 """
 
 
-def _process_start(root: Path, mode: str) -> dict:
+def _process_start(root: Path, mode: str, aot: bool = True, *flags: str) -> tuple[dict, str]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", START, str(root), mode], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", START, str(root), mode, "1" if aot else "0", *flags],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +87,7 @@ def entries(tmp_path_factory):
     out = {}
     for mode in SIZES:
         root = tmp_path_factory.mktemp(f"aot-{mode}")
-        out[mode] = root, _process_start(root, mode)
+        out[mode] = root, _process_start(root, mode)[0]
     return out
 
 
@@ -89,38 +105,33 @@ def test_a_second_process_loads_the_packages_without_the_compiler_and_gives_the_
     root, cold = entries[mode]
     assert (cold["cache"], cold["trace"]) == ("cold", "traced")
     assert cold["aot"].startswith("packaged " + ("1 units" if mode == "full" else "3 units")), cold["aot"]
-    warm = _process_start(root, mode)
+    warm, _ = _process_start(root, mode)
     assert (warm["cache"], warm["trace"], warm["aot"]) == ("warm", "packaged", None)
     assert warm["imported"] == []  # neither Dynamo, Inductor nor sympy
     assert warm["out"] == cold["out"]  # the very code the cold start ran: the same bits
+    assert cold["generate_equal"] and warm["generate_equal"]  # greedy tokens equal eager's
+    assert "input input_ids is torch.float32" in warm["refused"]
+    shown = CliRunner().invoke(cache_app, ["info", "--dir", str(root)])
+    assert f"{1 if mode == 'full' else 3} AOTInductor packages" in shown.output, shown.output
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_a_start_from_packages_generates_what_eager_generates(entries, mode):
-    root, _ = entries[mode]
-    model, cache, warm = _start(root, mode)
-    assert warm.stats()["startup"]["trace"] == "packaged"
-    want = generate(model, PROMPTS, 5)
-    role = {"prefill_fn": warm} if mode == "piecewise" else {"decode_fn": warm}
-    assert generate(model, PROMPTS, 5, cache=cache, **role) == want
-    with pytest.raises(ValueError, match="input input_ids is torch.float32"):  # the loaded binding still checks
-        warm(torch.zeros(2), torch.zeros(2, dtype=torch.long))
-
-
-def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warning(entries, tmp_path, monkeypatch,
-                                                                                   caplog):
+def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warning(entries, tmp_path):
     root = tmp_path / "copy"
     shutil.copytree(entries["piecewise"][0], root)
+    start, log = _process_start(root, "piecewise", True, "broken")
+    assert "compiled packages could not be used (RuntimeError: Error in dlopen" in log
+    assert start["trace"] == "loaded" and start["generate_equal"]  # the cached trace, compiled by Inductor
+    assert start["out"] == entries["piecewise"][1]["out"]
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("Error in dlopen: a package of another machine")
 
-    monkeypatch.setattr(build, "load_packaged", broken)
-    with caplog.at_level(logging.WARNING, logger="piecegraph"):
-        model, cache, warm = _start(root, "piecewise")
-    assert "compiled packages could not be used (RuntimeError: Error in dlopen" in caplog.text
-    assert warm.stats()["startup"]["trace"] == "loaded"  # the cached trace, compiled by Inductor
-    assert generate(model, PROMPTS, 5, cache=cache, prefill_fn=warm) == generate(model, PROMPTS, 5)
+def test_a_truncated_package_is_never_loaded_the_entry_is_rebuilt(entries, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(entries["full"][0], root)
+    (package,) = (root / "entries").glob("*/unit0.pt2")
+    package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
+    start, _ = _process_start(root, "full", False)  # rebuilt by Inductor alone: no packaging here
+    assert start["cache"].startswith("rebuilt (corrupt") and start["trace"] == "traced", start["cache"]
+    assert start["generate_equal"]
 
 
 def test_a_package_whose_check_fails_is_not_kept_and_the_start_runs_compiled_code(tmp_path, monkeypatch):

@@ -70,7 +70,7 @@ def test_a_traced_program_that_does_not_fit_is_traced_anew_with_a_warning(root, 
     def refuse(*args, **kwargs):
         raise LookupError("model.layers.0.weight is not the tensor it was")
 
-    monkeypatch.setattr(piecegraph.graphed_module, "load_trace", refuse)
+    monkeypatch.setattr(piecegraph.cached_start, "load_trace", refuse)
     with caplog.at_level(logging.WARNING, logger="piecegraph"):
         _, _, again, frames = _start(root, "piecewise", model)
     assert "could not be used (LookupError" in caplog.text and "tracing anew" in caplog.text

@@ -19,7 +19,8 @@ STAGES = [
     ("adapters", "graphs"),  # library adapters (on ops); capture, replay, static context, breakable capture
     ("trace",),  # Dynamo graph -> split -> compiled pieces (a Program)
     ("staging", "sizes", "replay", "outputs", "runner"),  # a Program run per call: stage, bucket, replay, cut
-    ("binding", "binding_snapshot", "build", "weights", "auto", "graphed_module", "dynamo_backend"),  # GraphedModule
+    ("binding", "binding_snapshot", "build", "weights", "auto", "cached_start", "graphed_module",
+     "dynamo_backend"),  # GraphedModule
     ("attention",),  # paged KV cache, per-step metadata, attention backends, the attention split op
     ("models",),  # the reference decoder (config, presets, loader, generation)
     ("hf",),  # Hugging Face decoders through piecegraph's attention (on models and the engine)

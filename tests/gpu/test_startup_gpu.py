@@ -1,11 +1,11 @@
 """Start in seconds, on a GPU (issue 24): a second process with the artifact cache warm loads the traced
-programs and their AOTInductor packages (no Dynamo, no Inductor) and is ready (every capture size captured) in <= 5 s; a cold start without FlashInfer's
-first JIT build in <= 30 s; the graph memory estimated before capture within 10% of the pool capture used; each
-size's capture milliseconds. Writes ``startup_gpu.json`` under ``$PIECEGRAPH_OUT``. The 0.5B shape of the
-reference decoder, bf16, FlashInfer attention when it imports (else torch's). ``PIECEGRAPH_START_MODEL=tiny``
-for a quick run; the start script runs on CPU too (``PIECEGRAPH_START_DEVICE=cpu``, graphs emulated), a dry run
-of it. The three starts take over 200 s on a fresh H200 (the first builds FlashInfer's kernels): give the part
-a call of its own."""
+programs and their AOTInductor packages (no Dynamo, no Inductor) and is ready (every capture size captured) in
+<= 5 s; a cold start without FlashInfer's first JIT build in <= 30 s; the graph memory estimated before capture
+within 10% of the pool capture used; each size's capture milliseconds. Writes ``startup_gpu.json`` under
+``$PIECEGRAPH_OUT``. The 0.5B shape of the reference decoder, bf16, FlashInfer attention when it imports (else
+torch's). ``PIECEGRAPH_START_MODEL=tiny`` for a quick run; the start script runs on CPU too
+(``PIECEGRAPH_START_DEVICE=cpu``, graphs emulated), a dry run of it. The three starts take over 300 s on a fresh
+H200 (the first builds FlashInfer's kernels, the second packages): give the part a call of its own."""
 
 from __future__ import annotations
 
