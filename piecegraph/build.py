@@ -174,15 +174,15 @@ def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, 
 
 def load_packaged_trace(model: torch.nn.Module, snapshot: TraceSnapshot, record: PackagedProgram, folder: Path,
                         config: Config, runners: list[FlatRunner], verify_sizes: float | None = None,
-                        startup: Startup | None = None) -> Binding:
+                        startup: Startup | None = None, device_index: int | None = None) -> Binding:
     """As :func:`load_trace`, but the program is built from the AOTInductor packages of ``record`` (files in
-    ``folder``): neither Dynamo nor Inductor is imported, nothing traced or compiled (trace/aot_load.py). The
-    same ``LookupError`` when the model does not fit the snapshot; the loader's error when a package does not
-    load."""
+    ``folder``), run on CUDA device ``device_index`` (the call's): neither Dynamo nor Inductor is imported,
+    nothing traced or compiled (trace/aot_load.py). The same ``LookupError`` when the model does not fit the
+    snapshot; the loader's error when a package does not load."""
     startup = startup or Startup()
     start = time.perf_counter()
     binding = _check_and_bind(model, snapshot)
-    program, memory = load_packaged(record, folder, config)
+    program, memory = load_packaged(record, folder, config, device_index)
     startup.compile_s += time.perf_counter() - start
     return _bound_runner(program, config, verify_sizes, memory, binding, runners)
 
@@ -274,6 +274,11 @@ def wants_packages(config: Config, values: dict[str, Any]) -> bool:
         return True
     return not config.emulate_graphs and any(
         isinstance(v, torch.Tensor) and v.is_cuda for v in values.values())
+
+
+def cuda_index(values: dict[str, Any]) -> int | None:
+    """The CUDA device index of the call's first CUDA tensor, or ``None``."""
+    return next((v.device.index for v in values.values() if isinstance(v, torch.Tensor) and v.is_cuda), None)
 
 
 def package_recorder(config: Config, values: dict[str, Any], entry: CacheEntry) -> PackageRecorder | None:

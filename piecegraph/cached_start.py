@@ -8,7 +8,7 @@ import pickle
 from typing import Any, Callable
 
 from .auto import piecewise_config
-from .build import TraceSnapshot, load_packaged_trace, load_trace, packaged_record, trace_snapshot
+from .build import TraceSnapshot, cuda_index, load_packaged_trace, load_trace, packaged_record, trace_snapshot
 from .cache.session import CacheEntry
 
 log = logging.getLogger("piecegraph")
@@ -44,7 +44,7 @@ class CachedStart:
             config = self.config.replace(static_inputs=snapshot.static_inputs)
             built, verify = piecewise_config(config) if config.mode == "auto" else (config, None)
             binding = load_packaged_trace(self.model, snapshot, record, entry.folder, built, self._runners, verify,
-                                          self._startup)
+                                          self._startup, cuda_index(values))
         except Exception as err:  # noqa: BLE001  (never run what does not fit: compile instead, and say so)
             log.warning("piecegraph cache: the compiled packages could not be used (%s: %s); compiling anew",
                         type(err).__name__, err)

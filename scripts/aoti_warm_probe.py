@@ -105,9 +105,9 @@ def pieces(folder: Path, device: str) -> list[dict]:
 
     seen, compile_piece = [], backend._compile_piece
 
-    def keep(sub, args, compiler, *rest):
+    def keep(sub, args, compiler, *rest, **how):
         seen.append((copy.deepcopy(sub), list(args)))
-        return compile_piece(sub, args, compiler, *rest)
+        return compile_piece(sub, args, compiler, *rest, **how)
 
     backend._compile_piece = keep
     try:

@@ -55,6 +55,10 @@ def summary(startup: dict[str, Any]) -> str:
         parts.append(f"of which FlashInfer JIT build {startup['jit_build_s']:.1f} s "
                      f"({built} module{'s' * (built != 1)})")
     cache = startup.get("cache", "off")
+    if startup.get("trace") == "packaged":
+        cache += ", from AOTInductor packages"
+    elif startup.get("aot"):  # a cold start's packaging, or why there was none
+        cache += f", {startup['aot']}"
     pool = f"pool {startup.get('pool_bytes', 0) / 2**20:.1f} MiB"
     before = [f"{word} {startup[key] / 2**20:.1f} MiB" for key, word in (
         ("pool_estimate_bytes", "estimated"), ("pool_measured_bytes", "measured before capture")) if startup.get(key)]

@@ -14,6 +14,7 @@ runner pool's locking, which CUDA graph capture needs (piecegraph serializes a m
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,13 +77,18 @@ class PackagedUnit:
         return out[0] if self.single else tuple(out)
 
 
-def load_packaged(record: PackagedProgram, folder: Path, config: Config) -> tuple[Program, GraphMemory | None]:
+def load_packaged(record: PackagedProgram, folder: Path, config: Config, device_index: int | None = None
+                  ) -> tuple[Program, GraphMemory | None]:
     """The :class:`Program` of ``record`` with its packages (files in ``folder``) loaded, and the graph memory
-    estimate the cold start made. ``LookupError`` when the record is of another format or torch; the loader's
-    own error when a package cannot be loaded (the caller then compiles)."""
+    estimate the cold start made. ``device_index``: the CUDA device this start's tensors are on (the cache key
+    names the GPU model, not which one: a package built on device 0 runs on device 1 so). ``LookupError`` when
+    the record is of another format or torch; the loader's own error when a package cannot be loaded (the caller
+    then compiles)."""
     if record.format != FORMAT or record.torch_version != torch.__version__:
         raise LookupError(f"packaged program of format {record.format}, torch {record.torch_version}")
-    units = [PackagedUnit(folder / spec.file, spec) for spec in record.units]
+    specs = [dataclasses.replace(spec, device_index=device_index) if spec.device_index >= 0
+             and device_index is not None else spec for spec in record.units]
+    units = [PackagedUnit(folder / spec.file, spec) for spec in specs]
     state = CaptureState.for_config(config)
     infos = record.fields["infos"]
     graphed = {name: GraphedPiece(name, units[record.pieces[name]], state) for name in

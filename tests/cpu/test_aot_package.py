@@ -187,3 +187,31 @@ def test_the_check_refuses_every_package_off_by_more_than_its_tolerance(scale, d
     both = torch.fx.symbolic_trace(lambda x: (x * 2, x + 1))  # the same second output, compared: refused
     with pytest.raises(ValueError, match="output 1 is off by"):
         check_unit(_Unit([want[0], x + 1 + 10 * x.abs().max()]), both, [x], set())
+
+
+def test_a_hugging_face_decoder_starts_from_its_packages_and_equals_hf(tmp_path):
+    from test_hf import PROMPTS as HF_PROMPTS
+    from test_hf import flat_logits, hf_logits, rel, tiny
+
+    model = tiny("qwen2")
+    expected = [hf_logits(model, p) for p in HF_PROMPTS]
+    starts = []
+    for _ in range(2):
+        graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(32,), emulate_graphs=True,
+                                     cache_dir=tmp_path, aot_package=True)
+        got = flat_logits(graphed, graphed.model, HF_PROMPTS)
+        assert max(rel(a, b) for a, b in zip(got, expected)) < 1e-5
+        startup = graphed.stats()["startup"]
+        starts.append((startup["trace"], (startup.get("aot") or "")[:len("packaged 3 units")]))
+    assert starts == [("traced", "packaged 3 units"), ("packaged", "")]
+
+
+def test_the_ready_line_says_where_the_program_came_from():
+    from piecegraph.graphs.progress import summary
+
+    base = {"ready_s": 2.0, "capture_s": 1.2, "num_sizes": 36, "pool_bytes": 60 << 20}
+    assert summary({**base, "cache": "warm", "trace": "packaged"}).endswith(
+        "cache warm, from AOTInductor packages)")
+    assert summary({**base, "cache": "cold", "trace": "traced", "aot": "packaged 3 units in 57.4 s"}).endswith(
+        "cache cold, packaged 3 units in 57.4 s)")
+    assert summary({**base, "cache": "warm", "trace": "loaded"}).endswith("cache warm)")

@@ -23,9 +23,9 @@ def _counting(monkeypatch) -> list[str]:
     compiled: list[str] = []
     real = backend._compile_piece
 
-    def count(sub, fake_args, compiler):
+    def count(sub, fake_args, compiler, *packaging, **how):
         compiled.append(sub.__class__.__name__)
-        return real(sub, fake_args, compiler)
+        return real(sub, fake_args, compiler, *packaging, **how)
 
     monkeypatch.setattr(backend, "_compile_piece", count)
     return compiled
