@@ -95,13 +95,14 @@ def pieces(folder: Path, device: str) -> list[dict]:
     piece makes with ``empty_like`` (the attention op's output buffer, written by the split op) are not compared."""
     import copy
 
+    import sympy
     import torch
 
     import piecegraph
     import piecegraph.trace.backend as backend
     from piecegraph.attention import KVCache
     from piecegraph.models import TINY, Decoder, dummy_inputs
-    from piecegraph.trace.aot_package import int_inputs_as_sizes
+    from piecegraph.trace.aot_package import example_tensor, int_inputs_as_sizes, size_symbols, uninitialized_outputs
 
     seen, compile_piece = [], backend._compile_piece
 
@@ -121,7 +122,7 @@ def pieces(folder: Path, device: str) -> list[dict]:
     for i, (sub, fakes) in enumerate(seen):
         sub, kept = int_inputs_as_sizes(sub, fakes)
         fakes = [fakes[k] for k in kept]
-        args = [_real(a, 9, device) for a in fakes]
+        args = [example_tensor(a, {symbol: sympy.Integer(9) for symbol in size_symbols(fakes)}) for a in fakes]
         dynamic = [{d: torch.export.Dim.DYNAMIC for d, n in enumerate(a.shape) if isinstance(n, torch.SymInt)}
                    or None for a in fakes]
         start = time.perf_counter()
@@ -132,32 +133,12 @@ def pieces(folder: Path, device: str) -> list[dict]:
         got = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, index).run(args)
         ran = sub(*args)
         want = [w for w in (ran if isinstance(ran, (tuple, list)) else [ran]) if isinstance(w, torch.Tensor)]
-        buffers = _empty_outputs(sub)
+        buffers = uninitialized_outputs(sub)
         errors = [float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)) for j, (g, w) in
                   enumerate(zip(got, want)) if j not in buffers]
         out.append({"piece": i, "inputs": len(args), "outputs": len(want), "export_and_package_s": seconds,
                     "worst_rel_err": max(errors, default=0.0), "uncompared_buffers": sorted(buffers)})
     return out
-
-
-def _real(fake, tokens: int, device: str):
-    import torch
-
-    shape = [tokens if isinstance(n, torch.SymInt) else int(n) for n in fake.shape]
-    if fake.dtype.is_floating_point:
-        return torch.randn(shape, dtype=fake.dtype, device=device)
-    return torch.zeros(shape, dtype=fake.dtype, device=device)
-
-
-def _empty_outputs(sub) -> set[int]:
-    """Positions of the tensor outputs ``sub`` makes with ``empty`` / ``empty_like`` (uninitialized buffers)."""
-    import torch
-
-    output = next(n for n in sub.graph.nodes if n.op == "output")
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
-    tensors = [v for v in values if isinstance(v, torch.fx.Node)
-               and isinstance(v.meta.get("example_value", v.meta.get("val")), torch.Tensor)]
-    return {j for j, v in enumerate(tensors) if "empty" in str(v.target)}
 
 
 def main(out: str, device: str = "cpu") -> None:

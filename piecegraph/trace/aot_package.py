@@ -13,7 +13,6 @@ every later one on Inductor's usual code, with the reason logged and reported, a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import logging
@@ -26,7 +25,7 @@ import torch
 
 from ..program import Program
 from .aot_load import PROGRAM_FIELDS, PackagedProgram, PackagedUnit, UnitSpec
-from .static import returns_one_value
+from .static import concrete_size, returns_one_value, static_fakes
 
 log = logging.getLogger("piecegraph")
 PROGRAM_FILE = "packaged.pkl"
@@ -113,15 +112,15 @@ class PackageRecorder:
         device = next(f.device for f in kept_fakes if isinstance(f, torch.Tensor))
         index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else -1
-        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+        import sympy  # a cold start has imported it with Dynamo; `import piecegraph` must not
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch._guards.tracing(None):
-            tokens = traced_tokens(kept_fakes)
+            symbols, tokens = size_symbols(kept_fakes), traced_tokens(kept_fakes)
             # A unit not run for the check is exported from fake examples: a whole graph's inputs are every weight
             # of the model, which real examples would hold a second time (1 GB for the 0.5B shape).
-            fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if has_split_op else contextlib.nullcontext()
-            with fake_mode:
-                args = [example_tensor(f, tokens) for f in kept_fakes]
+            args = static_fakes(kept_fakes, symbols, tokens) if has_split_op else [
+                example_tensor(f, {s: sympy.Integer(tokens) for s in symbols}) for f in kept_fakes]
             dims = dynamic_dims(kept_fakes)
             varargs = any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(sub.forward).parameters.values())
             exported = torch.export.export(sub, tuple(args), dynamic_shapes=(dims,) if varargs else dims,
@@ -175,18 +174,17 @@ def traced_tokens(fakes: list[Any]) -> int:
     return EXAMPLE_TOKENS
 
 
-def _concrete(n: Any, tokens: int) -> int:
-    if isinstance(n, torch.SymInt):
-        expr = n.node.expr
-        return int(expr.xreplace({s: tokens for s in expr.free_symbols}))
-    return int(n)
+def size_symbols(fakes: list[Any]) -> set[Any]:
+    """Every symbol in the sizes and strides of ``fakes``: the token symbols (the trace allows no other)."""
+    return {symbol for fake in fakes for n in (*fake.shape, *fake.stride()) if isinstance(n, torch.SymInt)
+            for symbol in n.node.expr.free_symbols}
 
 
-def example_tensor(fake: torch.Tensor, tokens: int) -> torch.Tensor:
-    """A real tensor like ``fake`` (its strides too) at ``tokens`` tokens: random floats, zero integers (always
-    valid indices)."""
-    shape = [_concrete(n, tokens) for n in fake.shape]
-    stride = [_concrete(n, tokens) for n in fake.stride()]
+def example_tensor(fake: torch.Tensor, subs: dict[Any, Any]) -> torch.Tensor:
+    """A real tensor like ``fake`` (its strides too) with ``subs`` (symbol -> ``sympy.Integer``) fixing its token
+    symbols: random floats, zero integers (always valid indices)."""
+    shape = [concrete_size(n, subs) for n in fake.shape]
+    stride = [concrete_size(n, subs) for n in fake.stride()]
     out = torch.empty_strided(shape, stride, dtype=fake.dtype, device=fake.device)
     return out.normal_() if out.is_floating_point() else out.zero_()
 

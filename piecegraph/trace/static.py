@@ -17,7 +17,9 @@ import torch
 log = logging.getLogger("piecegraph")
 
 
-def _concrete(value: Any, subs: dict[Any, Any]) -> int:
+def concrete_size(value: Any, subs: dict[Any, Any]) -> int:
+    """``value`` (an int, or a SymInt of the trace) as a number once ``subs`` fixes the token symbols;
+    ``ValueError`` when it depends on another symbol."""
     if isinstance(value, torch.SymInt):
         out = value.node.expr.xreplace(subs)
         if not out.is_Integer:
@@ -40,10 +42,10 @@ def static_fakes(fake_args: Iterable[Any], token_symbols: Iterable[Any], size: i
     out: list[Any] = []
     for arg in fake_args:
         if isinstance(arg, torch.SymInt):
-            out.append(_concrete(arg, subs))
+            out.append(concrete_size(arg, subs))
         elif isinstance(arg, torch.Tensor):
-            shape = [_concrete(s, subs) for s in arg.shape]
-            stride = [_concrete(s, subs) for s in arg.stride()]
+            shape = [concrete_size(s, subs) for s in arg.shape]
+            stride = [concrete_size(s, subs) for s in arg.stride()]
             with mode:
                 out.append(torch.empty_strided(shape, stride, dtype=arg.dtype, device=arg.device))
         else:
