@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 # One start in a fresh process (the cache key names every registered split op, so an entry made in this test
 # process, where other tests registered theirs, is not a fresh process's): the tiny decoder, every size captured,
 # one step; prints its stats, the step's output, whether greedy generation equals eager's, and which of the
-# compiler stack's modules the process imported. argv: cache folder, mode, aot_package ("1" / "0"), and "broken"
-# to make every package load fail.
+# compiler stack's modules the process imported. argv: cache folder, mode, aot_package ("1" / "0"), "broken" to
+# make every package load fail, "changed" to change an attribute the trace baked in.
 START = r"""
 import json, sys
 import torch
@@ -50,6 +50,8 @@ if "broken" in sys.argv[4:]:
         raise RuntimeError("Error in dlopen: a package of another machine")
     piecegraph.build.load_packaged = broken
 model = Decoder.random(TINY, seed=0).eval()
+if "changed" in sys.argv[4:]:  # set on the instance: what Dynamo would guard on, neither code nor config
+    model.model.norm.eps = 0.5
 cache = KVCache.for_sequences(TINY, 3, 48)
 sizes = (1, 2, 4) if mode == "full" else (4, 16)
 graphed = piecegraph.compile(model, mode=mode, capture_sizes=sizes, emulate_graphs=True, cache_dir=root,
@@ -122,6 +124,15 @@ def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warni
     assert "compiled packages could not be used (RuntimeError: Error in dlopen" in log
     assert start["trace"] == "loaded" and start["generate_equal"]  # the cached trace, compiled by Inductor
     assert start["out"] == entries["piecewise"][1]["out"]
+
+
+def test_a_model_attribute_changed_since_the_trace_never_runs_the_packages(entries, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(entries["piecewise"][0], root)
+    start, log = _process_start(root, "piecewise", True, "changed")
+    assert "compiled packages could not be used (LookupError: the model's attributes" in log
+    assert start["trace"] == "traced" and start["generate_equal"]  # traced anew: eager with the new eps
+    assert start["out"] != entries["piecewise"][1]["out"]  # the baked-in eps would have given the old output
 
 
 def test_a_truncated_package_is_never_loaded_the_entry_is_rebuilt(entries, tmp_path):
