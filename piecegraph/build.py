@@ -285,7 +285,7 @@ def package_recorder(config: Config, values: dict[str, Any], entry: CacheEntry) 
     """A recorder for a start that compiles and should leave packages in the cache entry, else ``None``."""
     if not entry.enabled or entry.scratch is None or not wants_packages(config, values):
         return None
-    return PackageRecorder(entry.scratch / "aot")
+    return PackageRecorder(entry.scratch / "aot", background=config.aot_background)
 
 
 def packaged_record(config: Config, values: dict[str, Any], entry: CacheEntry) -> PackagedProgram | None:
@@ -300,16 +300,35 @@ def packaged_record(config: Config, values: dict[str, Any], entry: CacheEntry) -
 def publish_packages(recorder: PackageRecorder | None, runners: list[FlatRunner], plain: bool, entry: CacheEntry,
                      report: dict[str, Any]) -> None:
     """Hand the cache entry the packages of a start's one program (``plain``: nothing wrapped by automatic
-    opaque, whose ops a later process would not have), and say in ``report["aot"]`` what was packaged."""
+    opaque, whose ops a later process would not have), or, in the background, the units to package once the
+    entry is published (:func:`start_background_packaging`); say in ``report["aot"]`` what was packaged."""
     if recorder is None:
         return
     kept = entry.new_trace is not None or entry.trace is not None  # a warm start loads packages with the trace
-    result = recorder.finish(runners[0].program, runners[0].memory) if plain and len(runners) == 1 else None
-    if result is None or not kept:
-        why = recorder.why_not or ("the trace could not be kept" if result is not None
+    plan = recorder.finish(runners[0].program, runners[0].memory) if plain and len(runners) == 1 else None
+    if plan is None or not kept:
+        why = recorder.why_not or ("the trace could not be kept" if plan is not None
                                    else "the program is not one packaged trace")
         report["aot"] = f"not packaged: {why}"
         return
-    record, files = result
-    entry.new_files.update(files)
-    report["aot"] = f"packaged {len(record.units)} units in {recorder.seconds:.1f} s"
+    if plan.jobs:
+        entry.background = plan
+        return
+    entry.new_files.update(plan.files)
+    report["aot"] = f"packaged {len(plan.record.units)} units in {recorder.seconds:.1f} s"
+
+
+def start_background_packaging(entry: CacheEntry, report: dict[str, Any]) -> None:
+    """After the cache block published the entry: start the worker that packages the units
+    :func:`publish_packages` left for it (trace/aot_worker.py), and say so in ``report["aot"]``."""
+    plan, entry.background = entry.background, None
+    trace = entry.new_trace or entry.trace
+    if plan is None or entry.root is None or entry.key is None or trace is None:
+        return
+    from .trace.aot_worker import start_worker
+
+    try:
+        report["aot"] = start_worker(entry.root, entry.key, trace, plan)
+    except Exception as err:  # noqa: BLE001  (ops no worker can import, a worker that does not start: the
+        report["aot"] = f"not packaged: {err}"  # start is ready all the same, on Inductor's code)
+        log.warning("piecegraph: not packaging the compiled pieces in the background: %s", err)

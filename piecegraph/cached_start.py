@@ -1,18 +1,64 @@
 """How a GraphedModule starts from what was kept: the cache's AOTInductor packages, the cache's traced program, or
-another module's trace (``trace_from``); and what it keeps for later starts. A mixin of :class:`GraphedModule`."""
+another module's trace (``trace_from``); what it keeps for later starts; and, for a full graph compiled by pieces,
+the swap to the whole graph's package once the background worker made it. A mixin of :class:`GraphedModule`."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from .auto import piecewise_config
-from .build import TraceSnapshot, cuda_index, load_packaged_trace, load_trace, packaged_record, trace_snapshot
-from .cache.session import CacheEntry
+from .build import (
+    Startup,
+    TraceSnapshot,
+    cuda_index,
+    load_packaged_trace,
+    load_trace,
+    packaged_record,
+    trace_snapshot,
+)
+from .cache.packaging import read_state, running
+from .cache.session import TRACE, CacheEntry
+from .cache.store import Store
+from .context import override_forward_context
+from .trace.aot_package import PROGRAM_FILE
 
 log = logging.getLogger("piecegraph")
 TRACED_PROGRAM_MODES = ("piecewise", "full", "auto")  # modes whose program a traced snapshot can build
+UPGRADE_POLL_S = 1.0  # how often a call looks for the worker's packages (a file read) while it runs
+
+
+@dataclass
+class PendingUpgrade:
+    """A full graph compiled by pieces whose whole graph a background worker is packaging: where its packages
+    will be (the cache entry and the trace they belong to), the call's device, when to look next, and the inputs
+    of the last :meth:`~piecegraph.GraphedModule.capture` (to capture the captured sizes again after the swap)."""
+
+    root: Path
+    key: str
+    material: dict[str, Any]
+    trace: bytes
+    device_index: int | None
+    started: float
+    next_check: float = 0.0
+    make_inputs: Callable[[int], Any] | None = None
+
+
+def pending_upgrade(config: Any, entry: CacheEntry, report: dict[str, Any], values: dict[str, Any]
+                    ) -> PendingUpgrade | None:
+    """The upgrade to wait for after a setup, or ``None``: only a full graph compiled by pieces
+    (``full_compile="pieces"``) whose whole graph a worker is packaging runs other code than its packages will."""
+    trace = entry.new_trace or entry.trace
+    if config.mode != "full" or config.full_compile != "pieces" or entry.root is None or entry.key is None \
+            or trace is None or not str(report.get("aot", "")).startswith("packaging"):
+        return None
+    now = time.monotonic()
+    return PendingUpgrade(entry.root, entry.key, entry.material or {}, trace, cuda_index(values), now,
+                          now + UPGRADE_POLL_S)
 
 
 class CachedStart:
@@ -121,3 +167,55 @@ def _as_set(value: Any) -> Any:
     if isinstance(value, str):
         return {value}
     return set(value) if isinstance(value, (tuple, list)) else value
+
+
+class PackagedUpgrade:
+    """The GraphedModule methods that swap a full graph compiled by pieces for the whole graph's package."""
+
+    def _poll_upgrade(self) -> None:
+        """Between calls (at most every UPGRADE_POLL_S): once the worker is done, swap the program for its
+        packages (the whole graph, fused across the split ops) and capture the captured sizes again; if it
+        failed, keep the program and stop looking. Any error of the swap keeps the old program, with a warning."""
+        pending = self._upgrade
+        pending.next_check = time.monotonic() + UPGRADE_POLL_S
+        state = read_state(pending.root, pending.key) or {}
+        if state.get("state") in ("queued", "running") and running(pending.root, pending.key):
+            return
+        self._upgrade = None
+        if state.get("state") != "done":
+            log.info("piecegraph: keeping the full graph compiled by pieces: the background packaging %s (%s)",
+                     state.get("state", "ended"), state.get("why") or "no word")
+            return
+        try:
+            self._swap_in_packages(pending)
+        except Exception as err:  # noqa: BLE001  (a swap that fails keeps the working program)
+            log.warning("piecegraph: the whole graph's package could not be swapped in (%s: %s); keeping the full "
+                        "graph compiled by pieces", type(err).__name__, err)
+
+    def _swap_in_packages(self, pending: PendingUpgrade) -> None:
+        store = Store(pending.root)
+        with store.locked(pending.key, timeout=5.0):
+            files = store.load(pending.key, pending.material).files
+        if files is None or PROGRAM_FILE not in files or files.get(TRACE) != pending.trace:
+            raise LookupError("the cache entry no longer holds this program's packages")
+        runners: list[Any] = []
+        binding = load_packaged_trace(self.model, pickle.loads(files[TRACE]), pickle.loads(files[PROGRAM_FILE]),
+                                      store.entry(pending.key), self.config, runners, None, Startup(),
+                                      pending.device_index)
+        old = (self._runners, self._binding, self._compiled)
+        captured = sorted(self.runner.capture_s, reverse=True)
+        self._runners, self._binding, self._compiled = runners, binding, runners[-1]
+        self._weights.bind(binding)
+        try:
+            if pending.make_inputs is not None and captured:
+                with override_forward_context(None):  # inside a call: its context set aside for the captures'
+                    self._capture_sizes(pending.make_inputs, captured)
+        except BaseException:
+            self._runners, self._binding, self._compiled = old  # its graphs are still there: as before the swap
+            self._weights.bind(self._binding)
+            raise
+        for runner in old[0]:
+            runner.drop_graphs()
+        self._startup.cache["aot"] = (f"the whole graph's package, swapped in {time.monotonic() - pending.started:.0f}"
+                                      " s after the setup")
+        log.info("piecegraph: %s", self._startup.cache["aot"])

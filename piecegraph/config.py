@@ -95,8 +95,11 @@ class Config:
             graph as one program; ``"pieces"``, cut at the split ops like piecewise and each piece between them
             compiled (identical layers once, so a 24-layer decoder compiles one layer's pieces, not 24), then the
             pieces and the split ops captured as one CUDA graph per size as before. The same graph at a fraction
-            of the compile time; not timed against ``"whole"`` on a GPU yet. Static compiles
-            (``compile_sizes``) use ``"whole"``.
+            of the compile time, but slower steps (the fusions across the split ops are lost: stop 38 on the
+            H200). With ``aot_package`` in the background the worker packages the whole graph, and the module
+            swaps it in (its captured sizes captured again) at its first call after the worker is done: fused, as
+            ``"whole"``, at the pieces' cold cost; later starts load it. Static compiles (``compile_sizes``) use
+            ``"whole"``.
         auto_opaque: when the trace breaks inside an installed library, wrap each public function of it the model
             called (decorators seen through) as an opaque op, its fake inferred by running it at three token
             counts on the arguments prewarm saw and checked at two more, route the model's calls through it, and
@@ -127,6 +130,13 @@ class Config:
             packages. Not with static compiles (``compile_sizes``) or a program that writes its inputs. ``None``
             (default): on CUDA with a cache and real graphs; ``True``: wherever a cache is (CPU too); ``False``:
             never.
+        aot_background: where ``aot_package`` packages. ``True`` (default): after the setup, in a worker process
+            of its own (:mod:`piecegraph.trace.aot_worker`), while this start runs Inductor's usual code: the start
+            is ready as soon as without packages, and a start after the worker finished loads them (the state and
+            the worker's log are under the cache folder, ``piecegraph cache info``; ``piecegraph.cache.
+            wait_packaging`` waits for it). ``False``: in the setup itself, which then takes the packaging's time
+            too (on the H200, 0.5B: 94 s on top of a 45 s start) and runs the packages from the start, so that it
+            and every warm start run the very same code.
     """
 
     mode: str = "piecewise"
@@ -152,6 +162,7 @@ class Config:
     graph_memory_limit: int | None = None
     full_compile: str = "whole"
     aot_package: bool | None = None
+    aot_background: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -161,7 +172,7 @@ class Config:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("warmup_runs", self.warmup_runs, 0)
         _check_int("token_dim", self.token_dim, 0, "dims are counted from the front")
-        for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs"):
+        for name in ("copy_outputs", "check_addresses", "prewarm", "emulate_graphs", "aot_background"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={describe(getattr(self, name))} must be True or False")
         for name in ("verify", "auto_opaque", "progress", "aot_package"):

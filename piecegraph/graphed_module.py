@@ -33,12 +33,13 @@ from .build import (
     breakable_model,
     package_recorder,
     publish_packages,
+    start_background_packaging,
     static_from_mismatch,
     trace_model,
 )
 from .cache import compile_cache
 from .cache.session import CacheEntry
-from .cached_start import CachedStart
+from .cached_start import CachedStart, PackagedUpgrade, PendingUpgrade, pending_upgrade
 from .config import Config
 from .graphs.capture import capture_batch
 from .graphs.fallback import Advisor, NoAdvice, TraceFixes, trace_or_explain
@@ -66,7 +67,7 @@ class _CallLock:
         return (_CallLock, ())
 
 
-class GraphedModule(CachedStart, torch.nn.Module):
+class GraphedModule(CachedStart, PackagedUpgrade, torch.nn.Module):
     """A model traced once by Dynamo, split at its split ops, compiled per piece, replayed as CUDA graphs.
 
     Inference only: calls run under ``torch.no_grad()``. Calls from several threads are serialized (one at a
@@ -98,6 +99,7 @@ class GraphedModule(CachedStart, torch.nn.Module):
         self._shares_trace = False  # another module reuses this one's trace: keep its snapshot
         self._snapshot: TraceSnapshot | None = None
         self._packages: PackageRecorder | None = None  # a cold start's AOTInductor packages (trace/aot_package.py)
+        self._upgrade: PendingUpgrade | None = None  # pieces to swap for the worker's whole-graph package
 
     def __deepcopy__(self, memo: dict) -> GraphedModule:
         """A copy of the model, compiled anew on its first call (compiled code and graphs are not copied)."""
@@ -127,6 +129,8 @@ class GraphedModule(CachedStart, torch.nn.Module):
                 self._reset()
             if self._compiled is None:
                 self._setup_or_reset(values)
+            if self._upgrade is not None and time.monotonic() >= self._upgrade.next_check:
+                self._poll_upgrade()
             if self._binding is None:
                 return self._compiled(**values)
             try:
@@ -184,6 +188,8 @@ class GraphedModule(CachedStart, torch.nn.Module):
             self._setup_stages(values, entry)
             publish_packages(self._packages, self._runners, self._trace_fixes is None, entry, self._startup.cache)
             self._packages = None
+        start_background_packaging(entry, self._startup.cache)
+        self._upgrade = pending_upgrade(self.config, entry, self._startup.cache, values)
         self._startup.jit.extend(builds)
         self._startup.setup_s = time.perf_counter() - start
         held = hold_routed()  # Dynamo may have traced through another module's automatic opaque routes
@@ -202,6 +208,8 @@ class GraphedModule(CachedStart, torch.nn.Module):
             if mode != "breakable":  # breakable runs no Dynamo and no Inductor
                 self._startup.compiler_import_s = _import_compiler_stack()
             entry.compiling()
+            if mode != "breakable" and self.config.compiler == "inductor":
+                _start_compile_pool()
             self._packages = package_recorder(self.config, values, entry)
             if mode == "breakable":  # no trace to see token-mixing ops in: verify unless told otherwise
                 verify = True if self.config.verify is None else self.config.verify
@@ -273,6 +281,7 @@ class GraphedModule(CachedStart, torch.nn.Module):
             return error
 
     def _reset(self) -> None:
+        self._upgrade = None
         self._runners.clear()
         self._compiled = None
         self._binding = None
@@ -296,16 +305,11 @@ class GraphedModule(CachedStart, torch.nn.Module):
         refused, naming ``make_inputs``, the size and what it returned. Returns the seconds each size took.
         Several sizes show a progress bar (``Config.progress``); the start-up summary is logged at INFO.
         """
-        from .context import forward_context
-
         sizes = sorted(sizes or self.config.sizes, reverse=True)
-        with jit_builds() as builds, capture_bar(self.config.progress, sizes) as update, capture_batch():
-            for done, n in enumerate(sizes):
-                update(n, done)
-                args, meta = capture_inputs(make_inputs, n)
-                check_capture_tokens(self._arguments(args, {}), n, self.config)
-                with forward_context(meta) if meta is not None else contextlib.nullcontext():
-                    self(*args)
+        with jit_builds() as builds, capture_bar(self.config.progress, sizes) as update:
+            self._capture_sizes(make_inputs, sizes, update)
+        if self._upgrade is not None:  # the program swapped in later captures the sizes with these inputs again
+            self._upgrade.make_inputs = make_inputs
         self._startup.jit.extend(builds)  # a setup inside the first size recorded into this block's list
         if len(sizes) > 1:
             line = summary(self.stats()["startup"])
@@ -313,6 +317,19 @@ class GraphedModule(CachedStart, torch.nn.Module):
             if wants_bar(self.config.progress, len(sizes)):  # the bar's reader sees where the seconds went
                 print(line, file=sys.stderr)
         return {s: self.runner.capture_s.get(s, 0.0) for s in sizes}
+
+    def _capture_sizes(self, make_inputs: Callable[[int], Any], sizes: list[int],
+                       update: Callable[[int, int], None] | None = None) -> None:
+        from .context import forward_context
+
+        with capture_batch():
+            for done, n in enumerate(sizes):
+                if update is not None:
+                    update(n, done)
+                args, meta = capture_inputs(make_inputs, n)
+                check_capture_tokens(self._arguments(args, {}), n, self.config)
+                with forward_context(meta) if meta is not None else contextlib.nullcontext():
+                    self(*args)
 
     @contextlib.contextmanager
     def without_graphs(self) -> Iterator[None]:
@@ -346,6 +363,18 @@ class GraphedModule(CachedStart, torch.nn.Module):
                 **jit_summary(s.jit), "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
                 "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"),
                 "pool_measured_bytes": stats.get("graph_memory", {}).get("pool_measured_bytes"), **s.cache}
+
+
+def _start_compile_pool() -> None:
+    """Start Inductor's pool of kernel-compile processes now, as torch.compile's own inductor backend does when it
+    is looked up (piecegraph's backend calls Inductor directly, so nothing did): each worker imports torch, seconds
+    of every core that then overlap the trace rather than stall the first compile. A no-op without Triton, with
+    one compile thread (a warm entry's in-process loads; ``TORCHINDUCTOR_COMPILE_THREADS=1``), or once started."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without it: the pool starts at the first kernel, as before
+        return
+    maybe_warm_pool()
 
 
 def _import_compiler_stack() -> float:

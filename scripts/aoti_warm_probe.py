@@ -89,20 +89,20 @@ def build(folder: Path, device: str) -> float:
 
 def pieces(folder: Path, device: str) -> list[dict]:
     """piecegraph's own pieces of the tiny decoder (as compiled, before Inductor rewrites them), each exported with
-    its token count dynamic and packaged, then run through the loader at 9 tokens against the piece run eagerly.
-    One change first: a piece takes the token count as an int input too (Dynamo's SymInt), which export cannot
-    keep symbolic, so each such input becomes ``sym_size`` of a tensor input with the same symbol. Outputs the
-    piece makes with ``empty_like`` (the attention op's output buffer, written by the split op) are not compared."""
+    its token count dynamic and packaged, then run through the loader at the traced token count against the piece
+    run eagerly. One change first: a piece takes the token count as an int input too (Dynamo's SymInt), which
+    export cannot keep symbolic, so each such input becomes ``sym_size`` of a tensor input with the same symbol.
+    Outputs the piece makes with ``empty_like`` (the attention op's output buffer, written by the split op) are not
+    compared."""
     import copy
 
-    import sympy
     import torch
 
     import piecegraph
     import piecegraph.trace.backend as backend
     from piecegraph.attention import KVCache
     from piecegraph.models import TINY, Decoder, dummy_inputs
-    from piecegraph.trace.aot_package import example_tensor, int_inputs_as_sizes, size_symbols, uninitialized_outputs
+    from piecegraph.trace.aot_job import describe_unit, example_tensor, export_dims
 
     seen, compile_piece = [], backend._compile_piece
 
@@ -120,20 +120,17 @@ def pieces(folder: Path, device: str) -> list[dict]:
         backend._compile_piece = compile_piece
     out = []
     for i, (sub, fakes) in enumerate(seen):
-        sub, kept = int_inputs_as_sizes(sub, fakes)
-        fakes = [fakes[k] for k in kept]
-        args = [example_tensor(a, {symbol: sympy.Integer(9) for symbol in size_symbols(fakes)}) for a in fakes]
-        dynamic = [{d: torch.export.Dim.DYNAMIC for d, n in enumerate(a.shape) if isinstance(n, torch.SymInt)}
-                   or None for a in fakes]
+        job = describe_unit(sub, fakes, False, f"piece{i}.pt2")
+        sub, args = job.graph, [example_tensor(spec) for spec in job.inputs]
+        dynamic = export_dims(job.inputs)
         start = time.perf_counter()
-        program = torch.export.export(sub, tuple(args), dynamic_shapes=(tuple(dynamic),), strict=False)
+        program = torch.export.export(sub, tuple(args), dynamic_shapes=(dynamic,), strict=False)
         path = torch._inductor.aoti_compile_and_package(program, package_path=str(folder / f"piece{i}.pt2"))
         seconds = time.perf_counter() - start
-        index = torch.cuda.current_device() if device == "cuda" else -1
-        got = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, index).run(args)
+        got = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, job.spec.device_index).run(args)
         ran = sub(*args)
         want = [w for w in (ran if isinstance(ran, (tuple, list)) else [ran]) if isinstance(w, torch.Tensor)]
-        buffers = uninitialized_outputs(sub)
+        buffers = job.skip
         errors = [float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)) for j, (g, w) in
                   enumerate(zip(got, want)) if j not in buffers]
         out.append({"piece": i, "inputs": len(args), "outputs": len(want), "export_and_package_s": seconds,

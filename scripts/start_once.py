@@ -8,7 +8,10 @@ and torch's cache counters (AOTAutograd's and Inductor's FX graph cache hits and
 
 PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu make a dry run; PIECEGRAPH_START_LAYERS=N cuts the
 model to N layers; PIECEGRAPH_START_AOT=0 / 1 sets Config.aot_package to False / True (unset: None, packages on
-CUDA); PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces (Config.full_compile).
+CUDA); PIECEGRAPH_START_AOT_BACKGROUND=0 packages in the setup, not in a worker after it (Config.aot_background);
+PIECEGRAPH_START_WAIT_PACKAGING=1 waits, after the JSON's measurements, for the background worker and adds its
+state and seconds ("packaging"); PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces
+(Config.full_compile).
 PROFILE_OUT: cProfile's stats of the setup (model built to ready) written there, and its top functions by cumulative
 time printed to stderr.
 """
@@ -53,7 +56,8 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         profiler.enable()
     pool = piecegraph.GraphPool()
     aot = {"0": False, "1": True}.get(os.environ.get("PIECEGRAPH_START_AOT", ""))
-    common = dict(pool=pool, cache_dir=cache_dir, emulate_graphs=not cuda, aot_package=aot)
+    background = os.environ.get("PIECEGRAPH_START_AOT_BACKGROUND", "1") != "0"
+    common = dict(pool=pool, cache_dir=cache_dir, emulate_graphs=not cuda, aot_package=aot, aot_background=background)
     prefill = piecegraph.compile(model, mode="piecewise", max_tokens=512, **common)
     full_compile = os.environ.get("PIECEGRAPH_START_FULL_COMPILE", "whole")
     decode = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4, 8, 16, 32, 64), full_compile=full_compile,
@@ -81,6 +85,11 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
 
         torch_caches = {k: v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
                         if "cache" in k}
+    packaging, waited = {}, time.perf_counter()
+    if os.environ.get("PIECEGRAPH_START_WAIT_PACKAGING") == "1":
+        from piecegraph.cache import wait_packaging
+
+        packaging = wait_packaging(cache_dir, timeout=900)
     print(json.dumps({
         "backend": backend, "model": os.environ.get("PIECEGRAPH_START_MODEL", "qwen2.5-0.5b"),
         "import_torch_s": t_torch - T0, "import_piecegraph_s": t_pg - t_torch, "model_s": t_model - t_pg,
@@ -91,6 +100,7 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         "pool_bytes": stats["prefill"]["pool_bytes"], "torch_caches": torch_caches,
         "out_sum": out.sum().item(), "out_head": out[:2, :8].tolist(),
         "compiler_imported": [m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules],
+        "packaging": packaging, "packaging_wait_s": time.perf_counter() - waited if packaging else None,
     }, default=str))
 
 

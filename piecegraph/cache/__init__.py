@@ -6,7 +6,11 @@ Layout under the cache folder::
     entries/<key>/mega.bin        torch.compiler.save_cache_artifacts() of the cold start (torch >= 2.7)
     entries/<key>/trace.pkl       the traced program (build.TraceSnapshot): a warm start skips Dynamo
     entries/<key>/manifest.json   the key's material, each file's size and sha256; written last
+    entries/<key>/unitN.pt2       AOTInductor packages of the compiled units, and packaged.pkl, the program
+                                  built from them (Config.aot_package): a warm start imports no compiler
     locks/<key>.lock              one start per key at a time (filelock, else fcntl)
+    packaging/<key>.json|.log     a background packaging worker's state and output (trace/aot_worker.py);
+              <key>.job|.lock     its work, and the lock it holds while it runs
     inductor/                     TORCHINDUCTOR_CACHE_DIR during setup: Inductor's FX graph and AOTAutograd
                                   caches and compiled kernels (content-addressed by Inductor itself)
     flashinfer/                   FLASHINFER_WORKSPACE_BASE, when FlashInfer was not imported yet
@@ -25,8 +29,9 @@ once waits, then starts warm.
 """
 
 from .key import cache_key, key_material
+from .packaging import wait_packaging
 from .paths import resolve_cache_dir
 from .session import compile_cache
 from .store import Store
 
-__all__ = ["Store", "cache_key", "compile_cache", "key_material", "resolve_cache_dir"]
+__all__ = ["Store", "cache_key", "compile_cache", "key_material", "resolve_cache_dir", "wait_packaging"]

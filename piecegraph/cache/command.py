@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from piecegraph.cache.packaging import job_path, read_state, running
 from piecegraph.cache.paths import default_cache_dir, resolve_cache_dir
 from piecegraph.cache.store import Store
 
@@ -36,6 +37,10 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
     """The cache folder, its entries (model, size, age, complete or not) and the bytes of each part."""
     root = _root(folder)
     rows = Store(root).entries()
+    for row in rows:
+        job = row["packaging"] = read_state(root, row["key"])
+        if job and job.get("state") in ("queued", "running") and not running(root, row["key"]):
+            job["state"] = "ended without a word (see its log)"
     parts = {name: _folder_bytes(root / name) for name in ("entries", "inductor", "flashinfer")}
     if as_json:
         typer.echo(json.dumps({"dir": str(root), "entries": rows, "bytes": parts}, indent=1, default=str))
@@ -50,6 +55,10 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
         packages = sum(1 for f in files if f.endswith(".pt2"))
         kept = f"  {packages} AOTInductor packages" if packages else ""
         typer.echo(f"  {row['key']}  {row['model'] or '?'}  {_mib(row['bytes'])}  {age}{kept}{state}")
+        job = row.get("packaging") or {}
+        if job and job.get("state") != "done":  # queued, running, failed or dropped: say it, with why
+            why = f": {job['why']}" if job.get("why") else ""
+            typer.echo(f"    background packaging {job.get('state')}{why} (log {job_path(root, row['key'], '.log')})")
 
 
 @cache_app.command()

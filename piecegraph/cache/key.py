@@ -17,7 +17,7 @@ import torch
 
 # Config fields that change no compiled code (where artifacts go, what is shown, memory policy, sharing).
 _NOT_CODE = ("pool", "cache_dir", "progress", "graph_memory_limit", "verify", "verify_tol", "check_addresses",
-             "copy_outputs", "warmup_runs", "aot_package")
+             "copy_outputs", "warmup_runs", "aot_package", "aot_background")
 # Distributions whose versions change generated code or the kernels it calls (read from metadata: FlashInfer
 # and Triton are never imported for this).
 _DISTRIBUTIONS = ("torch", "triton", "pytorch-triton", "flashinfer-python", "flashinfer", "transformers")

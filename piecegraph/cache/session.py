@@ -30,8 +30,9 @@ class CacheEntry:
     """What the setup inside :func:`compile_cache` reads and adds: ``trace``, the loaded entry's traced program
     (bytes, or ``None``); ``files``, all the loaded entry's files (name -> bytes; ``folder`` holds them);
     ``new_trace``, set by a setup that traced, and ``new_files`` (its AOTInductor packages), published with the
-    entry. A setup that compiles calls :meth:`compiling` first: only then are torch's compiler caches pointed at
-    the entry and the mega-cache loaded (importing Dynamo and Inductor), so a start that loads packages imports
+    entry; ``background``, packaging left for a worker to add once the entry (``root``, ``key``) is published.
+    A setup that compiles calls :meth:`compiling` first: only then are torch's compiler caches pointed at the
+    entry and the mega-cache loaded (importing Dynamo and Inductor), so a start that loads packages imports
     neither."""
 
     enabled: bool = False
@@ -42,6 +43,10 @@ class CacheEntry:
     new_files: dict[str, bytes] = field(default_factory=dict)
     scratch: Path | None = None  # a folder for this start's own files, removed when the block ends
     compile_hook: Callable[[], None] | None = None
+    root: Path | None = None
+    key: str | None = None
+    material: dict[str, Any] | None = None
+    background: Any = None  # trace/aot_package.py's PackagedPlan of units still to package, after the block
 
     def compiling(self) -> None:
         """Say that this start compiles (once is enough): torch's caches are prepared for it."""
@@ -80,6 +85,7 @@ def compile_cache(model: torch.nn.Module, values: dict[str, Any], config: Any, r
         stack.enter_context(flashinfer_workspace(root))
         found = _lookup(store, key, material, report)
         entry.enabled, entry.files, entry.folder = True, found or {}, store.entry(key)
+        entry.root, entry.key, entry.material = root, key, material
         entry.trace = entry.files.get(TRACE)
         entry.scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix="scratch-")))
         counted: list[dict[str, int]] = []

@@ -120,6 +120,28 @@ class Store:
         _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=repr).encode())
         return folder
 
+    def add_files(self, key: str, files: dict[str, bytes], expect: dict[str, str]) -> str:
+        """Add ``files`` to the published entry ``key`` (a background job's packages), keeping its material and
+        other files: the new files first, then a manifest naming them, each by atomic rename. Only when the entry
+        is intact and each file named in ``expect`` still has that sha256 (the entry the job was made from);
+        returns '' when added, else why not. Hold :meth:`locked` around it."""
+        folder = self.entry(key)
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            listed = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"the entry is gone or unreadable ({type(err).__name__})"
+        for name, sha in expect.items():
+            if (listed.get(name) or {}).get("sha256") != sha:
+                return f"the entry's {name} changed since the job was made"
+        for name, data in files.items():
+            _write_atomic(folder / name, data)
+            listed[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        info = manifest.setdefault("info", {})
+        info["files"] = sorted(listed)
+        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=repr).encode())
+        return ""
+
     # -- the CLI's view ---------------------------------------------------------------------------------
     def entries(self) -> list[dict[str, Any]]:
         """One row per entry: key, model, bytes, created, valid manifest or not."""

@@ -74,6 +74,8 @@ class EngineConfig:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
         aot_package: with a cache, keep AOTInductor packages of the modules' compiled pieces in it, so a warm
             start imports no compiler (``piecegraph.Config(aot_package=...)``; ``None``: on CUDA).
+        aot_background: package in a worker process after the setup (default), not in it
+            (``piecegraph.Config(aot_background=...)``).
         graph_memory_limit: bytes the graphs may take (``piecegraph.Config``): sizes whose estimate, or whose
             measurement before capture, is over it are left out, named in a warning, and run without graphs.
             ``None``: no limit.
@@ -104,6 +106,7 @@ class EngineConfig:
     share_trace: bool = False
     cache_dir: Any = None
     aot_package: bool | None = None
+    aot_background: bool = True
     graph_memory_limit: int | None = None
     auto_opaque: bool | None = None
 
@@ -128,7 +131,7 @@ class EngineConfig:
                 if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
                     raise ValueError(f"EngineConfig.{name}={sizes!r} must be a non-empty list of positive ints")
                 object.__setattr__(self, name, values)
-        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace"):
+        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace", "aot_background"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.full_compile not in FULL_COMPILE:

@@ -75,7 +75,7 @@ class Executor:
             return
         common: dict[str, Any] = {"pool": self.pool, "emulate_graphs": config.emulate_graphs, "progress": False,
                                   "cache_dir": config.cache_dir, "graph_memory_limit": config.graph_memory_limit,
-                                  "aot_package": config.aot_package}
+                                  "aot_package": config.aot_package, "aot_background": config.aot_background}
         if mode == "breakable":
             self.mixed = Slot("breakable", piecegraph.compile(
                 model, mode="breakable", capture_sizes=config.piecewise_sizes, **common), config.piecewise_sizes)

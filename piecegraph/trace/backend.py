@@ -154,6 +154,13 @@ def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: st
     packaged = packages.compile(sub, fake_args, has_split_op) if packages is not None else None
     if packaged is not None:
         return packaged
+    fn = _inductor_compile(sub, fake_args)
+    if packages is not None:
+        packages.compiled(fn)
+    return fn
+
+
+def _inductor_compile(sub: torch.fx.GraphModule, fake_args: list[Any]) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
     # AOTAutograd's cache key hashes the module's attribute dict as pickled, in insertion order, and a piece built
@@ -265,7 +272,12 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
         if config.full_compile == "pieces" and config.compiler == "inductor" and not static_sizes:
+            if packages is not None:  # in the background (else refused): the worker packages the whole graph,
+                with fake_mode:  # so a warm start runs it fused across the split ops, as full_compile="whole"
+                    packages.compile(gm, fake_args, has_split_op=True)
             fn = _compiled_by_pieces(gm, fake_args, fake_mode, config, sym)
+            if packages is not None:
+                packages.compiled(fn)
         else:
             with fake_mode:
                 fn = _compile_piece(gm, fake_args, config.compiler, packages, has_split_op=True)
@@ -312,8 +324,8 @@ def _refuse_packages(packages: PackageRecorder, config: Config, token_symbols: A
         packages.refuse(f"static compiles for sizes {static_sizes} (compile_sizes)")
     elif written:
         packages.refuse("the program writes its inputs")
-    elif config.mode == "full" and config.full_compile == "pieces":
-        packages.refuse("full_compile='pieces'")
+    elif config.mode == "full" and config.full_compile == "pieces" and not packages.background:
+        packages.refuse("full_compile='pieces' packages in the background only (aot_background=True)")
 
 
 def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mode: Any, config: Config,

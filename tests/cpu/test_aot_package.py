@@ -23,8 +23,9 @@ import piecegraph
 from piecegraph.attention import KVCache
 from piecegraph.cache.command import cache_app
 from piecegraph.models import TINY, Decoder, dummy_inputs, generate
+from piecegraph.trace.aot_job import check_unit
 from piecegraph.trace.aot_load import UnitSpec
-from piecegraph.trace.aot_package import PROGRAM_FILE, check_unit
+from piecegraph.trace.aot_package import PROGRAM_FILE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
@@ -34,8 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 # One start in a fresh process (the cache key names every registered split op, so an entry made in this test
 # process, where other tests registered theirs, is not a fresh process's): the tiny decoder, every size captured,
 # one step; prints its stats, the step's output, whether greedy generation equals eager's, and which of the
-# compiler stack's modules the process imported. argv: cache folder, mode, aot_package ("1" / "0"), "broken" to
-# make every package load fail, "changed" to change an attribute the trace baked in.
+# compiler stack's modules the process imported. argv: cache folder, mode, packaging ("1": in the setup, "bg": in
+# the background, "0": none), "broken" to make every package load fail, "changed" to change an attribute the trace
+# baked in, "pieces" to compile a full graph by pieces.
 START = r"""
 import json, sys
 import torch
@@ -44,7 +46,7 @@ import piecegraph.build
 from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 torch.set_num_threads(1)
-root, mode, aot = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+root, mode, aot = sys.argv[1], sys.argv[2], sys.argv[3]
 if "broken" in sys.argv[4:]:
     def broken(*args, **kwargs):
         raise RuntimeError("Error in dlopen: a package of another machine")
@@ -55,7 +57,8 @@ if "changed" in sys.argv[4:]:  # set on the instance: what Dynamo would guard on
 cache = KVCache.for_sequences(TINY, 3, 48)
 sizes = (1, 2, 4) if mode == "full" else (4, 16)
 graphed = piecegraph.compile(model, mode=mode, capture_sizes=sizes, emulate_graphs=True, cache_dir=root,
-                             aot_package=aot)
+                             aot_package=aot != "0", aot_background=aot == "bg",
+                             full_compile="pieces" if "pieces" in sys.argv[4:] else "whole")
 graphed.capture(lambda n: dummy_inputs(model, cache, n))
 meta = AttentionMetadata.for_batch(cache, [(0, 0, 1 if mode == "full" else 7)])
 with piecegraph.forward_context(meta):
@@ -75,9 +78,9 @@ print(json.dumps({"cache": startup["cache"], "trace": startup["trace"], "aot": s
 """
 
 
-def _process_start(root: Path, mode: str, aot: bool = True, *flags: str) -> tuple[dict, str]:
+def _process_start(root: Path, mode: str, aot: str = "1", *flags: str) -> tuple[dict, str]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", START, str(root), mode, "1" if aot else "0", *flags],
+    done = subprocess.run([sys.executable, "-c", START, str(root), mode, aot, *flags],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -96,6 +99,7 @@ def entries(tmp_path_factory):
 def _start(root: Path, mode: str, **config):
     model = Decoder.random(TINY, seed=0).eval()
     cache = KVCache.for_sequences(TINY, 3, 48)
+    config = {"aot_background": False, **config}
     graphed = piecegraph.compile(model, mode=mode, capture_sizes=SIZES[mode], emulate_graphs=True, cache_dir=root,
                                  aot_package=True, **config)
     graphed.capture(lambda n: dummy_inputs(model, cache, n))
@@ -120,7 +124,7 @@ def test_a_second_process_loads_the_packages_without_the_compiler_and_gives_the_
 def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warning(entries, tmp_path):
     root = tmp_path / "copy"
     shutil.copytree(entries["piecewise"][0], root)
-    start, log = _process_start(root, "piecewise", True, "broken")
+    start, log = _process_start(root, "piecewise", "1", "broken")
     assert "compiled packages could not be used (RuntimeError: Error in dlopen" in log
     assert start["trace"] == "loaded" and start["generate_equal"]  # the cached trace, compiled by Inductor
     assert start["out"] == entries["piecewise"][1]["out"]
@@ -129,7 +133,7 @@ def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warni
 def test_a_model_attribute_changed_since_the_trace_never_runs_the_packages(entries, tmp_path):
     root = tmp_path / "copy"
     shutil.copytree(entries["piecewise"][0], root)
-    start, log = _process_start(root, "piecewise", True, "changed")
+    start, log = _process_start(root, "piecewise", "1", "changed")
     assert "compiled packages could not be used (LookupError: the model's attributes" in log
     assert start["trace"] == "traced" and start["generate_equal"]  # traced anew: eager with the new eps
     assert start["out"] != entries["piecewise"][1]["out"]  # the baked-in eps would have given the old output
@@ -140,7 +144,7 @@ def test_a_truncated_package_is_never_loaded_the_entry_is_rebuilt(entries, tmp_p
     shutil.copytree(entries["full"][0], root)
     (package,) = (root / "entries").glob("*/unit0.pt2")
     package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
-    start, _ = _process_start(root, "full", False)  # rebuilt by Inductor alone: no packaging here
+    start, _ = _process_start(root, "full", "0")  # rebuilt by Inductor alone: no packaging here
     assert start["cache"].startswith("rebuilt (corrupt") and start["trace"] == "traced", start["cache"]
     assert start["generate_equal"]
 
@@ -149,7 +153,7 @@ def test_a_package_whose_check_fails_is_not_kept_and_the_start_runs_compiled_cod
     def off(unit, sub, args, skip):
         raise ValueError("output 0 is off by 1.00e+00 (relative) from the unit run eagerly")
 
-    monkeypatch.setattr("piecegraph.trace.aot_package.check_unit", off)
+    monkeypatch.setattr("piecegraph.trace.aot_job.check_unit", off)
     model, cache, cold = _start(tmp_path, "piecewise")
     startup = cold.stats()["startup"]
     assert startup["aot"] == "not packaged: ValueError: output 0 is off by 1.00e+00 (relative) from the unit run " \
@@ -209,7 +213,7 @@ def test_a_hugging_face_decoder_starts_from_its_packages_and_equals_hf(tmp_path)
     starts = []
     for _ in range(2):
         graphed = piecegraph.compile(model, mode="piecewise", capture_sizes=(32,), emulate_graphs=True,
-                                     cache_dir=tmp_path, aot_package=True)
+                                     cache_dir=tmp_path, aot_package=True, aot_background=False)
         got = flat_logits(graphed, graphed.model, HF_PROMPTS)
         assert max(rel(a, b) for a, b in zip(got, expected)) < 1e-5
         startup = graphed.stats()["startup"]

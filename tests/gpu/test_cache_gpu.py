@@ -22,6 +22,7 @@ from bf16_ties import first_divergences
 
 from piecegraph.attention import KVCache
 from piecegraph.attention.backends import flashinfer_available
+from piecegraph.cache import wait_packaging
 from piecegraph.models import QWEN2_5_0_5B, Decoder
 from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
@@ -64,6 +65,10 @@ def test_cached_engine_starts_give_the_uncached_engines_tokens(tmp_path, record_
             for kind, m in report["modules"].items()}}
         del engine
         torch.cuda.empty_cache()
+        if name == "cold" and aot:  # the packages are made after the start, by a worker: the warm start loads them
+            starts["packaging"] = wait_packaging(tmp_path, timeout=900)
+    if aot:  # the warm engine's modules run the worker's packages
+        assert all(m["trace"] == "packaged" for k, m in starts["warm"].items() if k != "decode_choice"), starts
     judge = _logits_of(model, backend)
     found = {name: first_divergences(prompts, outs[name], outs["none"], judge) for name in ("cold", "warm")}
     record_result("cache_gpu.json", f"divergences aot={aot}", {"backend": backend, "starts": starts, **found})

@@ -41,7 +41,7 @@ def test_warm_start_and_cold_start_without_jit_build(tmp_path, record_result):
     # own by the first start, the cold start then measures piecegraph's and torch's work only.
     env.setdefault("FLASHINFER_WORKSPACE_BASE", str(Path.home()))
     jit = _start(tmp_path / "jit", env)
-    cold = _start(tmp_path / "cache", env)
+    cold = _start(tmp_path / "cache", {**env, "PIECEGRAPH_START_WAIT_PACKAGING": "1"})  # ready, then packaged
     warm = _start(tmp_path / "cache", env)
     record_result("startup_gpu.json", "jit_first", jit)
     record_result("startup_gpu.json", "cold", cold)
@@ -49,14 +49,17 @@ def test_warm_start_and_cold_start_without_jit_build(tmp_path, record_result):
     summary = {"first_process_ready_s": jit["ready_s"], "cold_ready_s": cold["ready_s"],
                "cold_without_jit_s": cold["ready_s"] - sum(s["prewarm_s"] for s in cold["startup"].values()),
                "warm_ready_s": warm["ready_s"], "warm_from_interpreter_s": warm["from_interpreter_s"],
-               "import_piecegraph_s": warm["import_piecegraph_s"]}
+               "import_piecegraph_s": warm["import_piecegraph_s"],
+               "background_packaging_s": {k: s.get("seconds") for k, s in cold["packaging"].items()}}
     record_result("startup_gpu.json", "summary", summary)
     assert [s["cache"] for s in cold["startup"].values()] == ["cold", "cold"]
     assert [s["cache"] for s in warm["startup"].values()] == ["warm", "warm"]
     # the AOTInductor packages (Config.aot_package, on by default on CUDA): no Dynamo, Inductor or sympy imported
     assert [s["trace"] for s in warm["startup"].values()] == ["packaged", "packaged"]
     assert warm["compiler_imported"] == []
-    assert warm["out_head"] == cold["out_head"]  # the same compiled code: the same bits
+    assert [s["state"] for s in cold["packaging"].values()] == ["done", "done"], cold["packaging"]
+    # The cold start ran Inductor's code, the warm one AOTInductor's of the same graphs: equal to bf16 rounding.
+    assert torch.allclose(torch.tensor(warm["out_head"]), torch.tensor(cold["out_head"]), rtol=2e-2, atol=2e-2)
     assert summary["cold_without_jit_s"] <= 30, summary
     assert summary["warm_ready_s"] <= 5, summary
 

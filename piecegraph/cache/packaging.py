@@ -1,0 +1,98 @@
+"""Background packaging jobs under a cache folder: ``packaging/<key>.job`` (the work, written by the start),
+``<key>.lock`` (held by the worker while it runs), ``<key>.json`` (its state: running, done, failed, dropped, with
+why and seconds) and ``<key>.log`` (its output). The worker itself is :mod:`piecegraph.trace.aot_worker`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+FOLDER = "packaging"
+
+
+def job_path(root: str | Path, key: str, suffix: str, make: bool = False) -> Path:
+    """``root/packaging/<key><suffix>`` (``.job``, ``.lock``, ``.json``, ``.log``); ``make``: its folder made."""
+    folder = Path(root) / FOLDER
+    if make:
+        folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{key}{suffix}"
+
+
+def read_state(root: str | Path, key: str) -> dict[str, Any] | None:
+    """The last state the key's worker wrote, or ``None`` (none ran, or it is unreadable)."""
+    try:
+        state = json.loads(job_path(root, key, ".json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def write_state(root: str | Path, key: str, **state: Any) -> None:
+    """Replace the key's state (atomically), stamped with the time."""
+    path = job_path(root, key, ".json", make=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({**state, "key": key, "updated": time.time()}, sort_keys=True))
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def held(root: str | Path, key: str) -> Iterator[bool]:
+    """Try the key's packaging lock without waiting: yields True (held for the block) or False (another process
+    holds it: a worker is running)."""
+    import filelock
+
+    lock = filelock.FileLock(str(job_path(root, key, ".lock", make=True)), timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+def running(root: str | Path, key: str) -> bool:
+    """Whether the key's worker is queued or running: its state says so and its process lives (a worker that
+    died without a word does not count), or it holds the packaging lock."""
+    state = read_state(root, key) or {}
+    if state.get("state") in ("queued", "running") and _alive(state.get("pid")):
+        return True
+    with held(root, key) as mine:
+        return not mine
+
+
+def _alive(pid: Any) -> bool:
+    import os
+
+    if not isinstance(pid, int):
+        return False
+    with contextlib.suppress(ChildProcessError):  # our own child: reap it if it ended (a zombie is not alive)
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number
+        return True
+    return True
+
+
+def wait_packaging(root: str | Path, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+    """Wait until no packaging worker is queued or runs under ``root`` (``TimeoutError`` after ``timeout``
+    seconds); returns each key's last state ("done", "failed" or "dropped", with ``why`` and ``seconds``)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    folder = Path(root) / FOLDER
+    while True:
+        keys = sorted(p.stem for p in folder.glob("*.json")) if folder.exists() else []
+        busy = [key for key in keys if running(root, key)]
+        if not busy:
+            return {key: read_state(root, key) or {} for key in keys}
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"piecegraph cache: packaging of {', '.join(busy)} still running after {timeout} s")
+        time.sleep(0.2)

@@ -1,0 +1,139 @@
+"""Packaging after the start (``Config(aot_background=True)``, the default): the start that compiled with Inductor
+hands its units' descriptions (:class:`~piecegraph.trace.aot_job.UnitJob`) to a process of its own,
+``python -m piecegraph.trace.aot_worker JOBFILE``, and is ready as soon as without packages. The worker exports,
+packages and checks each unit (:func:`~piecegraph.trace.aot_job.package_unit`), then adds the packages to the
+cache entry, under the entry's lock and only when the entry still holds the trace the units came from; a later
+start loads them. It runs on its own (a new session): it finishes even when the start's process has ended.
+
+The worker imports the modules that define the custom ops the units call (found by
+:func:`~piecegraph.trace.aot_job.op_modules`); ops defined in a script run as ``__main__`` are not importable, and
+such a program is not packaged (said in the report). Its state and output are under the cache folder
+(:mod:`piecegraph.cache.packaging`); a job that failed is not tried again for the same trace and torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache.packaging import held, job_path, read_state, running, write_state
+from ..cache.session import TRACE, inductor_dir
+from ..cache.store import Store
+from .aot_job import UnitJob, op_modules, package_unit
+from .aot_package import PROGRAM_FILE, PackagedPlan
+
+log = logging.getLogger("piecegraph")
+
+
+@dataclass
+class PackagingJob:
+    """One start's background packaging: the cache entry (``root``, ``key``) and the sha256 of the trace the
+    units came from, the program's record (pickled), and the units."""
+
+    root: str
+    key: str
+    trace_sha: str
+    record: bytes
+    units: list[UnitJob]
+
+
+def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> str:
+    """Start the worker for ``plan`` (the units of the program traced as ``trace``, the entry's trace) and say what
+    was done, as the start-up report's ``aot`` line: started, already running, or not (why)."""
+    if running(root, key):
+        return "packaging in the background (by another start's worker)"
+    sha = hashlib.sha256(trace).hexdigest()
+    before = read_state(root, key) or {}
+    # A failure is the code's, so it would fail again; but memory is the machine's at the time: that one retries.
+    if before.get("state") == "failed" and before.get("trace_sha") == sha and before.get("torch") == torch.__version__ \
+            and "OutOfMemoryError" not in str(before.get("why")):
+        return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
+                f"{job_path(root, key, '.log')}); `piecegraph cache clear` makes it try again")
+    modules = op_modules(job.graph for job in plan.jobs)
+    job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
+    path = job_path(root, key, ".job", make=True)
+    header = {"root": str(root), "key": key, "modules": modules, "sys_path": [p for p in sys.path if p]}
+    path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
+    paths = [p for p in sys.path if p and os.path.isdir(p)]  # piecegraph and the ops' modules, as this process
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    with open(job_path(root, key, ".log", make=True), "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "piecegraph.trace.aot_worker", str(path)],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    write_state(root, key, state="queued", pid=proc.pid, units=len(plan.jobs), trace_sha=sha,
+                torch=torch.__version__)
+    return f"packaging {len(plan.jobs)} units in the background (pid {proc.pid})"
+
+
+def run_job(path: Path) -> str:
+    """Package the job at ``path`` and add the packages to its cache entry; returns the final state, also
+    written to the entry's packaging state (with why, and the seconds it took)."""
+    header, payload = pickle.loads(path.read_bytes())
+    root, key = Path(header["root"]), header["key"]
+    with held(root, key) as mine:
+        if not mine:
+            return "skipped (another worker holds the entry)"
+        common: dict[str, Any] = {"pid": os.getpid(), "torch": torch.__version__}
+        write_state(root, key, state="running", **common)
+        start = time.perf_counter()
+        try:
+            sys.path.extend(p for p in header["sys_path"] if p not in sys.path)
+            for module in header["modules"]:
+                importlib.import_module(module)  # the ops the units call, before their code is unpickled
+            job: PackagingJob = pickle.loads(payload)
+            common.update(units=len(job.units), trace_sha=job.trace_sha)
+            why = _package_and_add(job, root)
+        except Exception as err:  # noqa: BLE001  (export and AOTInductor raise many types: all end the job)
+            traceback.print_exc()
+            first = str(err).strip().splitlines()[0][:300] if str(err) else ""
+            write_state(root, key, state="failed", why=f"{type(err).__name__}: {first}",
+                        seconds=time.perf_counter() - start, **common)
+            return "failed"
+        finally:
+            path.unlink(missing_ok=True)
+        state = "done" if not why else "dropped"
+        write_state(root, key, state=state, why=why, seconds=time.perf_counter() - start, **common)
+        return state
+
+
+def main(argv: list[str]) -> int:
+    """The worker's command line: one job file."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(f"piecegraph: background packaging {argv[0]}: {run_job(Path(argv[0]))}", flush=True)
+    return 0
+
+
+def _package_and_add(job: PackagingJob, root: Path) -> str:
+    index = next((u.spec.device_index for u in job.units if u.spec.device_index >= 0), None)
+    if index is not None:
+        torch.cuda.set_device(index)
+    with tempfile.TemporaryDirectory(dir=root, prefix="scratch-") as scratch, inductor_dir(root):
+        files: dict[str, Any] = {}
+        for unit in job.units:
+            began = time.perf_counter()
+            package_unit(unit, Path(scratch))
+            files[unit.spec.file] = (Path(scratch) / unit.spec.file).read_bytes()
+            print(f"piecegraph: packaged {unit.spec.file} in {time.perf_counter() - began:.1f} s", flush=True)
+        files[PROGRAM_FILE] = job.record
+        store = Store(root)
+        with store.locked(job.key):
+            return store.add_files(job.key, files, {TRACE: job.trace_sha})
+
+
+if __name__ == "__main__":  # run as the canonical module, so the pickled job's classes are this module's
+    from piecegraph.trace.aot_worker import main as _main
+
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,185 @@
+"""Packaging in the background (``Config(aot_background=True)``, the default; trace/aot_worker.py): the start is
+ready on Inductor's code while a worker process packages its units and adds them to the cache entry; a later
+process loads them without the compiler and matches eager; a worker never adds packages to an entry that changed,
+and one that failed is not started again for the same trace. Graphs emulated on CPU."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+
+import pytest
+import torch
+from test_aot_package import _process_start
+from typer.testing import CliRunner
+
+import piecegraph
+from piecegraph.attention import KVCache
+from piecegraph.cache import Store
+from piecegraph.cache.command import cache_app
+from piecegraph.cache.packaging import read_state, wait_packaging, write_state
+from piecegraph.models import TINY, Decoder, dummy_inputs, generate
+from piecegraph.trace.aot_job import describe_unit, op_modules
+from piecegraph.trace.aot_load import PackagedProgram
+from piecegraph.trace.aot_package import PackagedPlan
+from piecegraph.trace.aot_worker import PackagingJob, run_job, start_worker
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+UNITS = {"piecewise": 3, "full": 1}
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full-pieces"])
+def test_the_start_is_ready_on_inductor_code_and_the_next_one_loads_the_workers_packages(tmp_path, mode):
+    # full-pieces: the cold start compiles the full graph by pieces (fast), the worker packages it whole
+    mode, *flags = mode.split("-")
+    cold, _ = _process_start(tmp_path, mode, "bg", *flags)
+    assert (cold["cache"], cold["trace"]) == ("cold", "traced")
+    assert cold["aot"].startswith(f"packaging {UNITS[mode]} units in the background (pid "), cold["aot"]
+    assert cold["generate_equal"]
+    (state,) = wait_packaging(tmp_path, timeout=600).values()
+    assert (state["state"], state["why"], state["units"]) == ("done", "", UNITS[mode]), state
+    shown = CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path)])
+    assert f"{UNITS[mode]} AOTInductor packages" in shown.output, shown.output
+    warm, _ = _process_start(tmp_path, mode, "bg", *flags)
+    assert (warm["cache"], warm["trace"], warm["aot"], warm["imported"]) == ("warm", "packaged", None, [])
+    assert warm["generate_equal"]  # greedy tokens equal eager's
+    # Other code than the cold start ran (AOTInductor's, not Inductor's JIT code): equal within float32 rounding.
+    assert torch.allclose(torch.tensor(warm["out"]), torch.tensor(cold["out"]), rtol=1e-4, atol=1e-5)
+
+
+def _entry(root, trace: bytes) -> str:
+    key = "k" * 32
+    Store(root).save(key, {"model": "m"}, {"trace.pkl": trace, "mega.bin": b"blob"})
+    return key
+
+
+def boom(x):
+    raise RuntimeError("boom: this unit cannot be exported")
+
+
+torch.fx.wrap("boom")  # a call in the traced code: the worker imports this module to unpickle it, then export fails
+
+
+def _failing_plan() -> PackagedPlan:
+    """One unit whose code raises when export runs it."""
+    fake = torch.zeros(4, 3)
+    job = describe_unit(torch.fx.symbolic_trace(lambda x: boom(x) * 2), [fake], False, "unit0.pt2")
+    record = PackagedProgram(units=[job.spec], pieces={"graph": 0}, skeleton=None, fields={}, memory=None)
+    return PackagedPlan(record, jobs=[job])
+
+
+def test_a_failed_worker_says_why_and_is_not_started_again_for_the_same_trace(tmp_path):
+    key = _entry(tmp_path, b"trace")
+    said = start_worker(tmp_path, key, b"trace", _failing_plan())
+    assert said.startswith("packaging 1 units in the background (pid "), said
+    (state,) = wait_packaging(tmp_path, timeout=600).values()
+    assert state["state"] == "failed" and "boom" in state["why"], state
+    assert sorted(Store(tmp_path).load(key, {"model": "m"}).files) == ["mega.bin", "trace.pkl"]  # untouched
+    again = start_worker(tmp_path, key, b"trace", _failing_plan())
+    assert again.startswith("not packaged: the background packaging of this entry failed (") and "boom" in again
+    shown = CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path)]).output
+    assert "background packaging failed: RuntimeError: boom: this unit cannot be exported (log " in shown, shown
+    assert "packaging failed" not in CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path / "none")]).output
+    assert not (tmp_path / "none").exists()  # looking makes no folder
+
+
+def test_a_worker_adds_nothing_to_an_entry_whose_trace_changed(tmp_path):
+    key = _entry(tmp_path, b"the trace the start kept")
+    plan = _failing_plan()
+    plan.jobs.clear()  # nothing to package: the worker goes straight to the entry
+    job = PackagingJob(str(tmp_path), key, hashlib.sha256(b"an older trace").hexdigest(),
+                       pickle.dumps(plan.record), [])
+    path = tmp_path / "job"
+    header = {"root": str(tmp_path), "key": key, "modules": [], "sys_path": []}
+    path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
+    assert run_job(path) == "dropped"
+    assert read_state(tmp_path, key)["why"] == "the entry's trace.pkl changed since the job was made"
+    assert "packaged.pkl" not in Store(tmp_path).load(key, {"model": "m"}).files
+    assert not path.exists()
+
+
+def test_files_added_to_an_entry_pass_its_checks_and_keep_the_rest(tmp_path):
+    key = _entry(tmp_path, b"trace")
+    store = Store(tmp_path)
+    assert store.add_files(key, {"unit0.pt2": b"package"}, {"trace.pkl": hashlib.sha256(b"trace").hexdigest()}) == ""
+    files = store.load(key, {"model": "m"}).files
+    assert files == {"trace.pkl": b"trace", "mega.bin": b"blob", "unit0.pt2": b"package"}
+    assert store.add_files("absent", {"x": b""}, {}).startswith("the entry is gone")
+
+
+_LIB = torch.library.Library("piecegraph_test_bg", "DEF")  # a module-level library: the worker imports this module
+_LIB.define("twice(Tensor x) -> Tensor")
+_LIB.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+
+
+def test_the_worker_is_told_which_modules_define_the_ops_the_units_call():
+    traced = torch.fx.symbolic_trace(lambda x: torch.ops.piecegraph_test_bg.twice(x).relu())
+    assert op_modules([traced]) == [__name__]
+    local = torch.library.Library("piecegraph_test_local", "DEF")  # held by no module: no worker can have it
+    local.define("same(Tensor x) -> Tensor")
+    unknown = torch.fx.symbolic_trace(lambda x: torch.ops.piecegraph_test_local.same(x))
+    with pytest.raises(ValueError, match="piecegraph_test_local::"):
+        op_modules([traced, unknown])
+    assert op_modules([torch.fx.symbolic_trace(lambda x: torch.ops.aten.relu(x))]) == []
+
+
+def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_the_worker_is_done(tmp_path):
+    model = Decoder.random(TINY, seed=0).eval()
+    cache = KVCache.for_sequences(TINY, 3, 48)
+    graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4), emulate_graphs=True,
+                                 cache_dir=tmp_path, aot_package=True, full_compile="pieces")
+    graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    assert graphed.stats()["startup"]["aot"].startswith("packaging 1 units in the background (pid ")
+    eager = generate(model, PROMPTS, 5)
+    by_pieces = graphed.runner
+    assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager
+    assert graphed.runner is by_pieces  # the worker is still packaging: the program compiled by pieces runs
+    (state,) = wait_packaging(tmp_path, timeout=600).values()
+    assert state["state"] == "done", state
+    assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager  # the first call swaps it in
+    swapped = graphed.runner
+    assert swapped is not by_pieces and len(graphed._runners) == 1
+    assert type(swapped.program.pieces[0].fn).__name__ == "PackagedUnit"  # the whole graph, packaged
+    assert sorted(swapped.capture_s) == [1, 2, 4]  # the sizes captured before, captured again at the swap
+    assert graphed.stats()["startup"]["aot"].startswith("the whole graph's package, swapped in ")
+    assert graphed._upgrade is None
+
+
+def test_a_failed_worker_leaves_the_full_graph_compiled_by_pieces(tmp_path, monkeypatch, caplog):
+    model = Decoder.random(TINY, seed=0).eval()
+    cache = KVCache.for_sequences(TINY, 3, 48)
+    graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2), emulate_graphs=True,
+                                 cache_dir=tmp_path, aot_package=True, full_compile="pieces")
+    graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    by_pieces = graphed.runner
+    key = graphed.stats()["startup"]["cache_key"]
+    wait_packaging(tmp_path, timeout=600)
+    write_state(tmp_path, key, state="failed", why="RuntimeError: the worker's own failure")  # as if it failed
+    graphed._upgrade.next_check = 0.0
+    with caplog.at_level(logging.INFO, logger="piecegraph"):
+        assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == generate(model, PROMPTS, 5)
+    assert graphed.runner is by_pieces and graphed._upgrade is None
+    assert "keeping the full graph compiled by pieces: the background packaging failed (RuntimeError" in caplog.text
+
+
+def test_a_swap_whose_captures_fail_keeps_the_program_compiled_by_pieces_and_its_graphs(tmp_path, caplog):
+    model = Decoder.random(TINY, seed=0).eval()
+    cache = KVCache.for_sequences(TINY, 3, 48)
+    graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2), emulate_graphs=True,
+                                 cache_dir=tmp_path, aot_package=True, full_compile="pieces")
+    graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    by_pieces = graphed.runner
+    wait_packaging(tmp_path, timeout=600)
+
+    def failing(make_inputs, sizes, update=None):
+        raise RuntimeError("CUDA error: out of memory (during the swap's captures)")
+
+    graphed._capture_sizes = failing
+    graphed._upgrade.next_check = 0.0
+    with caplog.at_level(logging.WARNING, logger="piecegraph"):
+        assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == generate(model, PROMPTS, 5)
+    assert graphed.runner is by_pieces and sorted(by_pieces.capture_s) == [1, 2]  # its graphs kept
+    assert "could not be swapped in (RuntimeError: CUDA error: out of memory" in caplog.text
+    assert graphed.stats()["startup"]["aot"].startswith("packaging 1 units in the background")
