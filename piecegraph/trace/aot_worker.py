@@ -13,6 +13,7 @@ such a program is not packaged (said in the report). Its state and output are un
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -110,8 +111,11 @@ def run_job(path: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """The worker's command line: one job file."""
+    """The worker's command line: one job file. It runs at a lower CPU priority (nice 10, its compile processes
+    too): the start it packages for is serving meanwhile, and a serving step is host-bound."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    with contextlib.suppress(OSError, AttributeError):  # no os.nice (Windows), or not allowed: full priority
+        os.nice(10)
     print(f"piecegraph: background packaging {argv[0]}: {run_job(Path(argv[0]))}", flush=True)
     return 0
 

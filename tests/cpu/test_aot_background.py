@@ -183,3 +183,24 @@ def test_a_swap_whose_captures_fail_keeps_the_program_compiled_by_pieces_and_its
     assert graphed.runner is by_pieces and sorted(by_pieces.capture_s) == [1, 2]  # its graphs kept
     assert "could not be swapped in (RuntimeError: CUDA error: out of memory" in caplog.text
     assert graphed.stats()["startup"]["aot"].startswith("packaging 1 units in the background")
+
+
+def test_an_engine_swaps_its_full_modules_package_in_while_it_serves(tmp_path):
+    from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+    model = Decoder.random(TINY, seed=0).eval()
+    config = EngineConfig(mode="auto", max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=8,
+                          max_seq_len=64, emulate_graphs=True, cache_dir=tmp_path, aot_package=True,
+                          full_compile="pieces")
+    engine = Engine(model, config)
+    want = generate(model, PROMPTS, 6)
+    assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)) == want
+    before = engine.capture_report()["modules"]
+    assert before["full"]["startup"]["aot"].startswith("packaging 1 units in the background"), before["full"]
+    states = wait_packaging(tmp_path, timeout=600)
+    assert sorted(s["state"] for s in states.values()) == ["done", "done"], states  # both modules' workers
+    assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)) == want
+    after = engine.capture_report()["modules"]
+    assert after["full"]["startup"]["aot"].startswith("the whole graph's package, swapped in "), after["full"]
+    assert after["full"]["sizes"] == before["full"]["sizes"]  # every size captured again
+    assert after["piecewise"]["startup"]["aot"] == before["piecewise"]["startup"]["aot"]  # its code: no swap
