@@ -23,7 +23,7 @@ from .build import (
 )
 from .cache.packaging import read_state, running
 from .cache.session import TRACE, CacheEntry
-from .cache.store import Store
+from .cache.store import LockTimeout, Store
 from .context import override_forward_context
 from .trace.aot_package import PROGRAM_FILE
 
@@ -188,13 +188,15 @@ class PackagedUpgrade:
             return
         try:
             self._swap_in_packages(pending)
+        except LockTimeout:  # another start holds the entry (compiling, publishing): look again later
+            self._upgrade = pending
         except Exception as err:  # noqa: BLE001  (a swap that fails keeps the working program)
             log.warning("piecegraph: the whole graph's package could not be swapped in (%s: %s); keeping the full "
                         "graph compiled by pieces", type(err).__name__, err)
 
     def _swap_in_packages(self, pending: PendingUpgrade) -> None:
         store = Store(pending.root)
-        with store.locked(pending.key, timeout=5.0):
+        with store.locked(pending.key, timeout=0.05):  # never hold a serving call for another start's setup
             files = store.load(pending.key, pending.material).files
         if files is None or PROGRAM_FILE not in files or files.get(TRACE) != pending.trace:
             raise LookupError("the cache entry no longer holds this program's packages")

@@ -138,6 +138,10 @@ def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_
     assert graphed.runner is by_pieces  # the worker is still packaging: the program compiled by pieces runs
     (state,) = wait_packaging(tmp_path, timeout=600).values()
     assert state["state"] == "done", state
+    with Store(tmp_path).locked(graphed.stats()["startup"]["cache_key"]):  # another start holds the entry
+        assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager
+    assert graphed.runner is by_pieces and graphed._upgrade is not None  # not waited for: looked at again later
+    graphed._upgrade.next_check = 0.0
     assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager  # the first call swaps it in
     swapped = graphed.runner
     assert swapped is not by_pieces and len(graphed._runners) == 1
