@@ -241,21 +241,24 @@ if has startup-aot; then  # issue 24: starts from AOTInductor packages against I
   # one warm start without them
   export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
   one() {  # $1: name, $2: seconds allowed, $3: aot (0/1/""), $4: cache folder; WAIT=1: wait for the packaging worker
-    PIECEGRAPH_START_AOT=$3 PIECEGRAPH_START_WAIT_PACKAGING=${WAIT:-0} timeout "$2" python3 scripts/start_once.py "$4" \
-      >"$OUT/start_$1.json" 2>"$OUT/start_$1.err"
+    PIECEGRAPH_START_AOT=$3 PIECEGRAPH_START_WAIT_PACKAGING=${WAIT:-0} PIECEGRAPH_START_FULL_COMPILE=${FULL:-whole} \
+      timeout "$2" python3 scripts/start_once.py "$4" >"$OUT/start_$1.json" 2>"$OUT/start_$1.err"
     echo "$1 rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['ready_s'], 2), \
       r['compiler_imported'], {m: (s['cache'], s['trace'], s.get('aot'), round(s['compile_s'], 2), \
       round(s['capture_s'], 2)) for m, s in r['startup'].items()}, r['out_sum'], \
       {k[:8]: (s.get('state'), round(s.get('seconds') or 0, 1), s.get('why')) for k, s in r['packaging'].items()}, \
-      r['packaging_wait_s'])" "$OUT/start_$1.json" 2>&1 | tail -1)"
-    cat /tmp/pg-start-aot/packaging/*.log >"$OUT/start_$1_packaging.log" 2>/dev/null || true
+      r['packaging_wait_s'], r['swap'])" "$OUT/start_$1.json" 2>&1 | tail -1)"
+    cat "$4"/packaging/*.log >"$OUT/start_$1_packaging.log" 2>/dev/null || true
   }
   one jit_first 240 0 /tmp/pg-start-inductor
   WAIT=1 one cold_aot 420 "" /tmp/pg-start-aot  # ready on Inductor's code; the worker packages after
   one warm_aot 90 "" /tmp/pg-start-aot
   one warm_aot_again 90 "" /tmp/pg-start-aot
   one warm_inductor 120 0 /tmp/pg-start-inductor
-  rm -rf /tmp/pg-start-inductor /tmp/pg-start-aot
+  # the decode module compiled by pieces (fast cold start), its whole graph packaged by the worker and swapped in
+  WAIT=1 FULL=pieces one cold_pieces 420 "" /tmp/pg-start-pieces
+  FULL=pieces one warm_pieces 90 "" /tmp/pg-start-pieces
+  rm -rf /tmp/pg-start-inductor /tmp/pg-start-aot /tmp/pg-start-pieces
 fi
 if has aoti-probe; then  # issue 24: a packaged piece loaded and run (and graph-replayed) without Dynamo or Inductor
   python3 scripts/aoti_warm_probe.py "$OUT/aoti" cuda 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/aoti_warm_probe.log"

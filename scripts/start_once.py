@@ -10,7 +10,8 @@ PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu make a dry run; PIEC
 model to N layers; PIECEGRAPH_START_AOT=0 / 1 sets Config.aot_package to False / True (unset: None, packages on
 CUDA); PIECEGRAPH_START_AOT_BACKGROUND=0 packages in the setup, not in a worker after it (Config.aot_background);
 PIECEGRAPH_START_WAIT_PACKAGING=1 waits, after the JSON's measurements, for the background worker and adds its
-state and seconds ("packaging"); PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces
+state and seconds ("packaging"), and times the decode call that swaps a full graph compiled by pieces for the
+worker's package ("swap"); PIECEGRAPH_START_FULL_COMPILE=pieces compiles the decode module by pieces
 (Config.full_compile).
 PROFILE_OUT: cProfile's stats of the setup (model built to ready) written there, and its top functions by cumulative
 time printed to stderr.
@@ -90,6 +91,15 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         from piecegraph.cache import wait_packaging
 
         packaging = wait_packaging(cache_dir, timeout=900)
+    swap = None
+    if packaging and getattr(decode, "_upgrade", None) is not None:  # compiled by pieces: the package swaps in
+        decode._upgrade.next_check = 0.0  # at this call (a server's next decode step), not up to 1 s later
+        args, meta = dummy_inputs(model, cache, 1)
+        began = time.perf_counter()
+        with piecegraph.forward_context(meta):
+            decode(*args)
+        sync()
+        swap = {"call_s": time.perf_counter() - began, "aot": decode.stats()["startup"].get("aot")}
     print(json.dumps({
         "backend": backend, "model": os.environ.get("PIECEGRAPH_START_MODEL", "qwen2.5-0.5b"),
         "import_torch_s": t_torch - T0, "import_piecegraph_s": t_pg - t_torch, "model_s": t_model - t_pg,
@@ -101,6 +111,7 @@ def main(cache_dir: str, profile_out: str | None = None) -> None:
         "out_sum": out.sum().item(), "out_head": out[:2, :8].tolist(),
         "compiler_imported": [m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules],
         "packaging": packaging, "packaging_wait_s": time.perf_counter() - waited if packaging else None,
+        "swap": swap,
     }, default=str))
 
 

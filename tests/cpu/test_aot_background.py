@@ -30,7 +30,8 @@ UNITS = {"piecewise": 3, "full": 1}
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full", "full-pieces"])
+# (a full graph compiled whole describes its unit as the one compiled by pieces does: full-pieces covers both)
+@pytest.mark.parametrize("mode", ["piecewise", "full-pieces"])
 def test_the_start_is_ready_on_inductor_code_and_the_next_one_loads_the_workers_packages(tmp_path, mode):
     # full-pieces: the cold start compiles the full graph by pieces (fast), the worker packages it whole
     mode, *flags = mode.split("-")
@@ -125,12 +126,18 @@ def test_the_worker_is_told_which_modules_define_the_ops_the_units_call():
     assert op_modules([torch.fx.symbolic_trace(lambda x: torch.ops.aten.relu(x))]) == []
 
 
-def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_the_worker_is_done(tmp_path):
+def _by_pieces(root, sizes=(1, 2, 4)):
     model = Decoder.random(TINY, seed=0).eval()
     cache = KVCache.for_sequences(TINY, 3, 48)
-    graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4), emulate_graphs=True,
-                                 cache_dir=tmp_path, aot_package=True, full_compile="pieces")
+    graphed = piecegraph.compile(model, mode="full", capture_sizes=sizes, emulate_graphs=True, cache_dir=root,
+                                 aot_package=True, full_compile="pieces")
     graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    return model, cache, graphed
+
+
+def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_the_worker_is_done(tmp_path,
+                                                                                                  caplog):
+    model, cache, graphed = _by_pieces(tmp_path)
     assert graphed.stats()["startup"]["aot"].startswith("packaging 1 units in the background (pid ")
     eager = generate(model, PROMPTS, 5)
     by_pieces = graphed.runner
@@ -138,10 +145,25 @@ def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_
     assert graphed.runner is by_pieces  # the worker is still packaging: the program compiled by pieces runs
     (state,) = wait_packaging(tmp_path, timeout=600).values()
     assert state["state"] == "done", state
+    pending = graphed._upgrade
     with Store(tmp_path).locked(graphed.stats()["startup"]["cache_key"]):  # another start holds the entry
         assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager
-    assert graphed.runner is by_pieces and graphed._upgrade is not None  # not waited for: looked at again later
-    graphed._upgrade.next_check = 0.0
+    assert graphed.runner is by_pieces and graphed._upgrade is pending  # not waited for: looked at again later
+
+    # A swap whose captures fail puts the old program back, with its graphs.
+    capture_sizes = graphed._capture_sizes
+
+    def failing(make_inputs, sizes, update=None):
+        raise RuntimeError("CUDA error: out of memory (during the swap's captures)")
+
+    graphed._capture_sizes, pending.next_check = failing, 0.0
+    with caplog.at_level(logging.WARNING, logger="piecegraph"):
+        assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager
+    assert "could not be swapped in (RuntimeError: CUDA error: out of memory" in caplog.text
+    assert graphed.runner is by_pieces and sorted(by_pieces.capture_s) == [1, 2, 4]  # its graphs kept
+    assert graphed.stats()["startup"]["aot"].startswith("packaging 1 units in the background")
+
+    graphed._capture_sizes, graphed._upgrade, pending.next_check = capture_sizes, pending, 0.0  # once more
     assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager  # the first call swaps it in
     swapped = graphed.runner
     assert swapped is not by_pieces and len(graphed._runners) == 1
@@ -152,41 +174,18 @@ def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_
 
 
 def test_a_failed_worker_leaves_the_full_graph_compiled_by_pieces(tmp_path, monkeypatch, caplog):
-    model = Decoder.random(TINY, seed=0).eval()
-    cache = KVCache.for_sequences(TINY, 3, 48)
-    graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2), emulate_graphs=True,
-                                 cache_dir=tmp_path, aot_package=True, full_compile="pieces")
-    graphed.capture(lambda n: dummy_inputs(model, cache, n))
+    def failed(root, key, trace, plan):  # no worker: its state, as one that failed would leave it
+        write_state(root, key, state="failed", why="RuntimeError: the worker's own failure")
+        return "packaging 1 units in the background (pid 0)"
+
+    monkeypatch.setattr("piecegraph.trace.aot_worker.start_worker", failed)
+    model, cache, graphed = _by_pieces(tmp_path, (1, 2))
     by_pieces = graphed.runner
-    key = graphed.stats()["startup"]["cache_key"]
-    wait_packaging(tmp_path, timeout=600)
-    write_state(tmp_path, key, state="failed", why="RuntimeError: the worker's own failure")  # as if it failed
     graphed._upgrade.next_check = 0.0
     with caplog.at_level(logging.INFO, logger="piecegraph"):
         assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == generate(model, PROMPTS, 5)
     assert graphed.runner is by_pieces and graphed._upgrade is None
     assert "keeping the full graph compiled by pieces: the background packaging failed (RuntimeError" in caplog.text
-
-
-def test_a_swap_whose_captures_fail_keeps_the_program_compiled_by_pieces_and_its_graphs(tmp_path, caplog):
-    model = Decoder.random(TINY, seed=0).eval()
-    cache = KVCache.for_sequences(TINY, 3, 48)
-    graphed = piecegraph.compile(model, mode="full", capture_sizes=(1, 2), emulate_graphs=True,
-                                 cache_dir=tmp_path, aot_package=True, full_compile="pieces")
-    graphed.capture(lambda n: dummy_inputs(model, cache, n))
-    by_pieces = graphed.runner
-    wait_packaging(tmp_path, timeout=600)
-
-    def failing(make_inputs, sizes, update=None):
-        raise RuntimeError("CUDA error: out of memory (during the swap's captures)")
-
-    graphed._capture_sizes = failing
-    graphed._upgrade.next_check = 0.0
-    with caplog.at_level(logging.WARNING, logger="piecegraph"):
-        assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == generate(model, PROMPTS, 5)
-    assert graphed.runner is by_pieces and sorted(by_pieces.capture_s) == [1, 2]  # its graphs kept
-    assert "could not be swapped in (RuntimeError: CUDA error: out of memory" in caplog.text
-    assert graphed.stats()["startup"]["aot"].startswith("packaging 1 units in the background")
 
 
 def test_an_engine_swaps_its_full_modules_package_in_while_it_serves(tmp_path):
