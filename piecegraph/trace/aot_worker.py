@@ -70,6 +70,8 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> str:
     path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # piecegraph and the ops' modules, as this process
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    # Half the cores' compile processes at most (the user's setting wins): the start keeps the rest
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
     with open(job_path(root, key, ".log", make=True), "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "piecegraph.trace.aot_worker", str(path)],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -112,10 +114,12 @@ def run_job(path: Path) -> str:
 
 def main(argv: list[str]) -> int:
     """The worker's command line: one job file. It runs at a lower CPU priority (nice 10, its compile processes
-    too): the start it packages for is serving meanwhile, and a serving step is host-bound."""
+    too), with half the cores' compile processes at most and one thread for its CPU runs: the start it packages
+    for is capturing or serving meanwhile, and a serving step is host-bound."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with contextlib.suppress(OSError, AttributeError):  # no os.nice (Windows), or not allowed: full priority
         os.nice(10)
+    torch.set_num_threads(1)  # the checks' eager runs on CPU: OpenMP threads would spin against the start's
     print(f"piecegraph: background packaging {argv[0]}: {run_job(Path(argv[0]))}", flush=True)
     return 0
 
