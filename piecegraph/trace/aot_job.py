@@ -29,6 +29,10 @@ EXAMPLE_TOKENS = 17  # examples' token count when the trace's is unknown: not 0 
 # Namespaces whose ops every torch process has: a unit calling only these needs no module imported to be exported.
 TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d_functional", "inductor",
                               "_c10d_functional_autograd", "_quantized", "quantized", "profiler"})
+# Ops that talk to other ranks: a unit holding one is not packaged (its check, and the worker, run outside the
+# process group: the check would wait for ranks that never come, or fail for want of a group).
+COLLECTIVE_NAMESPACES = frozenset({"piecegraph_tp", "_c10d_functional", "c10d_functional",
+                                   "_c10d_functional_autograd", "c10d"})
 
 
 @dataclass
@@ -58,9 +62,14 @@ class UnitJob:
 
 def describe_unit(sub: torch.fx.GraphModule, fakes: list[Any], has_split_op: bool, file: str) -> UnitJob:
     """The :class:`UnitJob` of ``sub`` traced with ``fakes`` (``sub`` is not changed). ``ValueError`` for an
-    input that is neither a tensor nor a token count, or a size that follows another symbol."""
+    input that is neither a tensor nor a token count, a size that follows another symbol, or a collective op."""
     import sympy  # a start that traced has imported it with Dynamo; `import piecegraph` must not
 
+    collectives = sorted({space for node in sub.graph.nodes if (space := _namespace(node.target))
+                          in COLLECTIVE_NAMESPACES})
+    if collectives:
+        raise ValueError(f"the unit calls collective ops ({', '.join(c + '::*' for c in collectives)}): "
+                         "tensor-parallel programs are not packaged")
     single = returns_one_value(sub)
     sub, kept = int_inputs_as_sizes(copy.deepcopy(sub), fakes)
     kept_fakes = [fakes[i] for i in kept]

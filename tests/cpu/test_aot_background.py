@@ -207,3 +207,11 @@ def test_an_engine_swaps_its_full_modules_package_in_while_it_serves(tmp_path):
     assert after["full"]["startup"]["aot"].startswith("the whole graph's package, swapped in "), after["full"]
     assert after["full"]["sizes"] == before["full"]["sizes"]  # every size captured again
     assert after["piecewise"]["startup"]["aot"] == before["piecewise"]["startup"]["aot"]  # its code: no swap
+
+
+def test_a_unit_calling_a_collective_is_not_packaged():
+    import piecegraph.parallel.ops  # noqa: F401  (registers piecegraph_tp::all_reduce)
+
+    traced = torch.fx.symbolic_trace(lambda x: torch.ops.piecegraph_tp.all_reduce(x * 2, "tp"))
+    with pytest.raises(ValueError, match=r"collective ops \(piecegraph_tp::\*\): tensor-parallel programs"):
+        describe_unit(traced, [torch.zeros(4, 3)], False, "unit0.pt2")
