@@ -173,9 +173,10 @@ class PackagedUpgrade:
     """The GraphedModule methods that swap a full graph compiled by pieces for the whole graph's package."""
 
     def _poll_upgrade(self) -> None:
-        """Between calls (at most every UPGRADE_POLL_S): once the worker is done, swap the program for its
-        packages (the whole graph, fused across the split ops) and capture the captured sizes again; if it
-        failed, keep the program and stop looking. Any error of the swap keeps the old program, with a warning."""
+        """At the start of a call (at most every UPGRADE_POLL_S): once the worker is done, swap the program for
+        its package (the whole graph, fused across the split ops) and capture the captured sizes again, before
+        the call runs; if it failed, keep the program and stop looking. A swap that fails keeps the old program,
+        with a warning; an entry another start holds is looked at again later."""
         pending = self._upgrade
         pending.next_check = time.monotonic() + UPGRADE_POLL_S
         state = read_state(pending.root, pending.key) or {}
