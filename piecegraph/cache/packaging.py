@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from .store import write_atomic
 
 FOLDER = "packaging"
 
@@ -32,10 +35,8 @@ def read_state(root: str | Path, key: str) -> dict[str, Any] | None:
 
 def write_state(root: str | Path, key: str, **state: Any) -> None:
     """Replace the key's state (atomically), stamped with the time."""
-    path = job_path(root, key, ".json", make=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({**state, "key": key, "updated": time.time()}, sort_keys=True))
-    tmp.replace(path)
+    write_atomic(job_path(root, key, ".json", make=True),
+                 json.dumps({**state, "key": key, "updated": time.time()}, sort_keys=True).encode())
 
 
 @contextlib.contextmanager
@@ -67,8 +68,6 @@ def running(root: str | Path, key: str) -> bool:
 
 
 def _alive(pid: Any) -> bool:
-    import os
-
     if not isinstance(pid, int):
         return False
     with contextlib.suppress(ChildProcessError):  # our own child: reap it if it ended (a zombie is not alive)

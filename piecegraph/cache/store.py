@@ -111,13 +111,9 @@ class Store:
         folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             (folder / MANIFEST).unlink()
-        entries = {}
-        for name, data in files.items():
-            _write_atomic(folder / name, data)
-            entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        manifest = {"format": FORMAT, "key": key, "created": time.time(), "material": material, "files": entries,
-                    "info": info or {}}
-        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=repr).encode())
+        manifest = {"format": FORMAT, "key": key, "created": time.time(), "material": material,
+                    "files": _write_files(folder, files), "info": info or {}}
+        _write_manifest(folder, manifest)
         return folder
 
     def add_files(self, key: str, files: dict[str, bytes], expect: dict[str, str]) -> str:
@@ -134,12 +130,9 @@ class Store:
         for name, sha in expect.items():
             if (listed.get(name) or {}).get("sha256") != sha:
                 return f"the entry's {name} changed since the job was made"
-        for name, data in files.items():
-            _write_atomic(folder / name, data)
-            listed[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        info = manifest.setdefault("info", {})
-        info["files"] = sorted(listed)
-        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=repr).encode())
+        listed.update(_write_files(folder, files))
+        manifest.setdefault("info", {})["files"] = sorted(listed)
+        _write_manifest(folder, manifest)
         return ""
 
     # -- the CLI's view ---------------------------------------------------------------------------------
@@ -182,7 +175,22 @@ def _changed(stored: Any, wanted: dict[str, Any]) -> str:
     return ""
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_files(folder: Path, files: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+    """Write each file atomically; the manifest's entry of each (size and sha256)."""
+    listed = {}
+    for name, data in files.items():
+        write_atomic(folder / name, data)
+        listed[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return listed
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=repr).encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` by a temporary file of this process's own (flushed, synced) renamed into place: a
+    reader sees the old content or the new, and two writers never share a temporary name."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -46,14 +46,14 @@ def test_an_entry_being_rewritten_reads_as_incomplete_until_its_manifest_lands(t
     seen = []
     import piecegraph.cache.store as store_module
 
-    real = store_module._write_atomic
+    real = store_module.write_atomic
 
     def spy(path, data):
         if path.name == "mega.bin":
             seen.append(store.load("k", MATERIAL).reason)  # a reader between the files and the manifest
         real(path, data)
 
-    monkeypatch.setattr(store_module, "_write_atomic", spy)
+    monkeypatch.setattr(store_module, "write_atomic", spy)
     store.save("k", MATERIAL, {"mega.bin": b"new"})
     assert seen and seen[0].startswith("incomplete")
     assert store.load("k", MATERIAL).files == {"mega.bin": b"new"}
