@@ -318,17 +318,20 @@ def publish_packages(recorder: PackageRecorder | None, runners: list[FlatRunner]
     report["aot"] = f"packaged {len(plan.record.units)} units in {recorder.seconds:.1f} s"
 
 
-def start_background_packaging(entry: CacheEntry, report: dict[str, Any]) -> None:
+def start_background_packaging(entry: CacheEntry, report: dict[str, Any]) -> bool:
     """After the cache block published the entry: start the worker that packages the units
-    :func:`publish_packages` left for it (trace/aot_worker.py), and say so in ``report["aot"]``."""
+    :func:`publish_packages` left for it (trace/aot_worker.py), and say so in ``report["aot"]``. True when a
+    worker is packaging the entry now (this start's or another's)."""
     plan, entry.background = entry.background, None
     trace = entry.new_trace or entry.trace
     if plan is None or entry.root is None or entry.key is None or trace is None:
-        return
+        return False
     from .trace.aot_worker import start_worker
 
     try:
-        report["aot"] = start_worker(entry.root, entry.key, trace, plan)
+        report["aot"], packaging = start_worker(entry.root, entry.key, trace, plan)
     except Exception as err:  # noqa: BLE001  (ops no worker can import, a worker that does not start: the
         report["aot"] = f"not packaged: {err}"  # start is ready all the same, on Inductor's code)
         log.warning("piecegraph: not packaging the compiled pieces in the background: %s", err)
+        return False
+    return packaging

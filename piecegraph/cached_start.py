@@ -48,13 +48,12 @@ class PendingUpgrade:
     make_inputs: Callable[[int], Any] | None = None
 
 
-def pending_upgrade(config: Any, entry: CacheEntry, report: dict[str, Any], values: dict[str, Any]
-                    ) -> PendingUpgrade | None:
-    """The upgrade to wait for after a setup, or ``None``: only a full graph compiled by pieces
-    (``full_compile="pieces"``) whose whole graph a worker is packaging runs other code than its packages will."""
+def pending_upgrade(config: Any, entry: CacheEntry, values: dict[str, Any]) -> PendingUpgrade | None:
+    """The upgrade to wait for after a setup whose entry a worker is packaging, or ``None``: only a full graph
+    compiled by pieces (``full_compile="pieces"``) runs other code than its package will."""
     trace = entry.new_trace or entry.trace
     if config.mode != "full" or config.full_compile != "pieces" or entry.root is None or entry.key is None \
-            or trace is None or not str(report.get("aot", "")).startswith("packaging"):
+            or trace is None:
         return None
     now = time.monotonic()
     return PendingUpgrade(entry.root, entry.key, entry.material or {}, trace, cuda_index(values), now,
@@ -179,10 +178,10 @@ class PackagedUpgrade:
         with a warning; an entry another start holds is looked at again later."""
         pending = self._upgrade
         pending.next_check = time.monotonic() + UPGRADE_POLL_S
-        state = read_state(pending.root, pending.key) or {}
-        if state.get("state") in ("queued", "running") and running(pending.root, pending.key):
+        if running(pending.root, pending.key):
             return
         self._upgrade = None
+        state = read_state(pending.root, pending.key) or {}  # read after the worker ended: its last word
         if state.get("state") != "done":
             log.info("piecegraph: keeping the full graph compiled by pieces: the background packaging %s (%s)",
                      state.get("state", "ended"), state.get("why") or "no word")

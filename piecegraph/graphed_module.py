@@ -188,8 +188,8 @@ class GraphedModule(CachedStart, PackagedUpgrade, torch.nn.Module):
             self._setup_stages(values, entry)
             publish_packages(self._packages, self._runners, self._trace_fixes is None, entry, self._startup.cache)
             self._packages = None
-        start_background_packaging(entry, self._startup.cache)
-        self._upgrade = pending_upgrade(self.config, entry, self._startup.cache, values)
+        packaging = start_background_packaging(entry, self._startup.cache)
+        self._upgrade = pending_upgrade(self.config, entry, values) if packaging else None
         self._startup.jit.extend(builds)
         self._startup.setup_s = time.perf_counter() - start
         held = hold_routed()  # Dynamo may have traced through another module's automatic opaque routes

@@ -51,22 +51,23 @@ class PackagingJob:
     units: list[UnitJob]
 
 
-def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> str:
-    """Start the worker for ``plan`` (the units of the program traced as ``trace``, the entry's trace) and say what
-    was done, as the start-up report's ``aot`` line: started, already running, or not (why)."""
+def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tuple[str, bool]:
+    """Start the worker for ``plan`` (the units of the program traced as ``trace``, the entry's trace). Returns
+    the start-up report's ``aot`` line (started, already running, or not and why) and whether a worker is
+    packaging the entry now."""
     if running(root, key):
-        return "packaging in the background (by another start's worker)"
+        return "packaging in the background (by another start's worker)", True
     sha = hashlib.sha256(trace).hexdigest()
     before = read_state(root, key) or {}
     # A failure is the code's, so it would fail again; but memory is the machine's at the time: that one retries.
     if before.get("state") == "failed" and before.get("trace_sha") == sha and before.get("torch") == torch.__version__ \
             and "OutOfMemoryError" not in str(before.get("why")):
         return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
-                f"{job_path(root, key, '.log')}); `piecegraph cache clear` makes it try again")
+                f"{job_path(root, key, '.log')}); `piecegraph cache clear` makes it try again"), False
     modules = op_modules(job.graph for job in plan.jobs)
     job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
     path = job_path(root, key, ".job", make=True)
-    header = {"root": str(root), "key": key, "modules": modules, "sys_path": [p for p in sys.path if p]}
+    header = {"root": str(root), "key": key, "modules": modules}
     path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # piecegraph and the ops' modules, as this process
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
@@ -78,7 +79,7 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> str:
                                 start_new_session=True)
     write_state(root, key, state="queued", pid=proc.pid, units=len(plan.jobs), trace_sha=sha,
                 torch=torch.__version__)
-    return f"packaging {len(plan.jobs)} units in the background (pid {proc.pid})"
+    return f"packaging {len(plan.jobs)} units in the background (pid {proc.pid})", True
 
 
 def run_job(path: Path) -> str:
@@ -93,7 +94,6 @@ def run_job(path: Path) -> str:
         write_state(root, key, state="running", **common)
         start = time.perf_counter()
         try:
-            sys.path.extend(p for p in header["sys_path"] if p not in sys.path)
             for module in header["modules"]:
                 importlib.import_module(module)  # the ops the units call, before their code is unpickled
             job: PackagingJob = pickle.loads(payload)

@@ -74,12 +74,13 @@ def _failing_plan() -> PackagedPlan:
 
 def test_a_failed_worker_says_why_and_is_not_started_again_for_the_same_trace(tmp_path):
     key = _entry(tmp_path, b"trace")
-    said = start_worker(tmp_path, key, b"trace", _failing_plan())
-    assert said.startswith("packaging 1 units in the background (pid "), said
+    said, packaging = start_worker(tmp_path, key, b"trace", _failing_plan())
+    assert said.startswith("packaging 1 units in the background (pid ") and packaging, said
     (state,) = wait_packaging(tmp_path, timeout=600).values()
     assert state["state"] == "failed" and "boom" in state["why"], state
     assert sorted(Store(tmp_path).load(key, {"model": "m"}).files) == ["mega.bin", "trace.pkl"]  # untouched
-    again = start_worker(tmp_path, key, b"trace", _failing_plan())
+    again, packaging = start_worker(tmp_path, key, b"trace", _failing_plan())
+    assert not packaging
     assert again.startswith("not packaged: the background packaging of this entry failed (") and "boom" in again
     shown = CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path)]).output
     assert "background packaging failed: RuntimeError: boom: this unit cannot be exported (log " in shown, shown
@@ -94,7 +95,7 @@ def test_a_worker_adds_nothing_to_an_entry_whose_trace_changed(tmp_path):
     job = PackagingJob(str(tmp_path), key, hashlib.sha256(b"an older trace").hexdigest(),
                        pickle.dumps(plan.record), [])
     path = tmp_path / "job"
-    header = {"root": str(tmp_path), "key": key, "modules": [], "sys_path": []}
+    header = {"root": str(tmp_path), "key": key, "modules": []}
     path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
     assert run_job(path) == "dropped"
     assert read_state(tmp_path, key)["why"] == "the entry's trace.pkl changed since the job was made"
@@ -177,7 +178,7 @@ def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_
 def test_a_failed_worker_leaves_the_full_graph_compiled_by_pieces(tmp_path, monkeypatch, caplog):
     def failed(root, key, trace, plan):  # no worker: its state, as one that failed would leave it
         write_state(root, key, state="failed", why="RuntimeError: the worker's own failure")
-        return "packaging 1 units in the background (pid 0)"
+        return "packaging 1 units in the background (pid 0)", True
 
     monkeypatch.setattr("piecegraph.trace.aot_worker.start_worker", failed)
     model, cache, graphed = _by_pieces(tmp_path, (1, 2))
