@@ -173,6 +173,8 @@ def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_
     assert sorted(swapped.capture_s) == [1, 2, 4]  # the sizes captured before, captured again at the swap
     assert graphed.stats()["startup"]["aot"].startswith("the whole graph's package, swapped in ")
     assert graphed._upgrade is None
+    with pytest.raises(ValueError, match="input input_ids is torch.float32"):  # the swapped binding checks too
+        graphed(torch.zeros(2), torch.zeros(2, dtype=torch.long))
 
 
 def test_a_failed_worker_leaves_the_full_graph_compiled_by_pieces(tmp_path, monkeypatch, caplog):
