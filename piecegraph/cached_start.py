@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from .auto import piecewise_config
 from .build import (
     Startup,
@@ -171,6 +173,21 @@ def _as_set(value: Any) -> Any:
 class PackagedUpgrade:
     """The GraphedModule methods that swap a full graph compiled by pieces for the whole graph's package."""
 
+    swaps = 0  # how many times the program was swapped for its package (per instance once it swapped)
+
+    def poll_upgrade(self) -> bool:
+        """Look for the background worker's package now (no more than every ``UPGRADE_POLL_S``; a call does this
+        itself) and swap it in when it is there. For a caller that may not call this module for a while (the
+        engine, whose auto mode may replay the piecewise module instead). True when the program was swapped."""
+        upgrade = self._upgrade
+        if upgrade is None or time.monotonic() < upgrade.next_check:
+            return False
+        with self._call_lock.lock, torch.no_grad():  # the swap's captures, as a call's
+            before = self.swaps
+            if self._upgrade is not None:  # another thread's call may have swapped meanwhile
+                self._poll_upgrade()
+            return self.swaps != before
+
     def _poll_upgrade(self) -> None:
         """At the start of a call (at most every UPGRADE_POLL_S): once the worker is done, swap the program for
         its package (the whole graph, fused across the split ops) and capture the captured sizes again, before
@@ -218,6 +235,7 @@ class PackagedUpgrade:
             raise
         for runner in old[0]:
             runner.drop_graphs()
+        self.swaps += 1
         self._startup.cache["aot"] = (f"the whole graph's package, swapped in {time.monotonic() - pending.started:.0f}"
                                       " s after the setup")
         log.info("piecegraph: %s", self._startup.cache["aot"])

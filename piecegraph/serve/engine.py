@@ -191,6 +191,7 @@ class Engine:
         this step is discarded when it resolves. Synchronous: launch, then read this step's own tokens.
         Every token the host learned in it is in :attr:`emitted` until the next step (one per request).
         """
+        self.executor.refresh(self.cache)  # a swap the full module's background package brought (rare)
         start = time.perf_counter()
         self.emitted = ([], [])
         batch = self.scheduler.schedule()

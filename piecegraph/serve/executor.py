@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -31,6 +32,8 @@ from piecegraph.context import forward_context
 from piecegraph.graphs.capture import capture_batch, pipelined_ms, time_ms, timed_capture
 from piecegraph.models.generate import dummy_inputs
 from piecegraph.serve.config import EngineConfig
+
+log = logging.getLogger("piecegraph")
 
 GRAPH_KINDS = ("full", "piecewise", "breakable")
 Progress = Callable[[str, int, int, int], None]  # (module kind, size, sizes done, sizes in all), before each size
@@ -68,6 +71,7 @@ class Executor:
         self.pool = piecegraph.GraphPool()
         # auto: per full size, the module its decode steps replay and what was measured to choose it
         self.decode_choice: dict[int, dict[str, Any]] = {}
+        self._timed_swaps = 0  # the full module's swaps when decode_choice was timed
         mode = config.mode
         if mode == "eager":
             self.mixed = Slot("eager", model)
@@ -116,19 +120,37 @@ class Executor:
         if progress and total:
             progress("done", 0, done, total)
         if self.decode is not None:
-            measured = cache.device.type == "cuda" and not self.config.emulate_graphs
-            overlap = self.config.overlap
-            self.choose_decode(lambda slot, n: time_replays(slot.module, self.model, cache, n, overlap)
-                               if measured else None)
+            self.choose_decode(self.decode_timer(cache))
 
-    def choose_decode(self, timer: Callable[[Slot, int], float | None]) -> None:
+    def decode_timer(self, cache: Any) -> Callable[[Slot, int], float | None]:
+        """``timer(slot, n)``: ms of one decode step of ``n`` rows through ``slot``'s graphs
+        (:func:`time_replays`), or None where no real graphs run (CPU, emulated graphs)."""
+        measured = cache.device.type == "cuda" and not self.config.emulate_graphs
+        overlap = self.config.overlap
+        return lambda slot, n: time_replays(slot.module, self.model, cache, n, overlap) if measured else None
+
+    def choose_decode(self, timer: Callable[[Slot, int], float | None], when: str = "capture") -> None:
         """Pick full or piecewise per full size by ``timer(slot, n)`` (ms of one decode step of ``n`` rows;
-        ``None``: not measurable, keep full). Ties go to full."""
+        ``None``: not measurable, keep full). Ties go to full. ``when``: what the report says prompted it."""
         for n in self.decode.sizes:
             full, piecewise = timer(self.decode, n), timer(self.mixed, n)
             pick = "piecewise" if full is not None and piecewise is not None and piecewise < full else "full"
-            self.decode_choice[n] = {"pick": pick, "full_ms": full, "piecewise_ms": piecewise,
+            self.decode_choice[n] = {"pick": pick, "full_ms": full, "piecewise_ms": piecewise, "when": when,
                                      "by": "rule" if full is None or piecewise is None else "measured"}
+        self._timed_swaps = self.decode.module.swaps
+
+    def refresh(self, cache: Any) -> None:
+        """Between steps: let the full module swap in its background package (``full_compile="pieces"``) even
+        while auto replays the piecewise module for every decode size, and time the choice again after a swap
+        (it was measured against the program compiled by pieces). Cheap when nothing is pending: an attribute
+        read and a clock read."""
+        if self.decode is None or self.config.mode != "auto":
+            return
+        self.decode.module.poll_upgrade()
+        if self.decode.module.swaps != self._timed_swaps:
+            self.choose_decode(self.decode_timer(cache), when="swap")
+            log.info("piecegraph engine: decode choice timed again after the full module's swap: %s",
+                     {n: c["pick"] for n, c in self.decode_choice.items()})
 
     def num_sizes(self) -> int:
         return sum(len(s.sizes) for s in self.slots if s.kind != "eager")

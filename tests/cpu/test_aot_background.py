@@ -192,9 +192,18 @@ def test_a_failed_worker_leaves_the_full_graph_compiled_by_pieces(tmp_path, monk
     assert "keeping the full graph compiled by pieces: the background packaging failed (RuntimeError" in caplog.text
 
 
-def test_an_engine_swaps_its_full_modules_package_in_while_it_serves(tmp_path):
+def test_an_engine_swaps_its_full_modules_package_in_while_it_serves_and_times_its_decode_choice_again(
+        tmp_path, monkeypatch):
+    """Auto's decode choice, timed (a stand-in timer; CPU has no graphs to time) against the full graph compiled by
+    pieces, replays the piecewise module for every decode size: the full module is never called, yet the engine
+    swaps its package in between steps, times the choice again, and decodes with it, the tokens equal eager's."""
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
+    from piecegraph.serve.executor import Executor
 
+    def timer(self, cache):  # piecewise faster than the pieces' full graph; the packaged whole graph fastest
+        return lambda slot, n: 1.0 if slot.kind == "piecewise" else (0.5 if slot.module.swaps else 2.0)
+
+    monkeypatch.setattr(Executor, "decode_timer", timer)
     model = Decoder.random(TINY, seed=0).eval()
     config = EngineConfig(mode="auto", max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=8,
                           max_seq_len=64, emulate_graphs=True, cache_dir=tmp_path, aot_package=True,
@@ -202,15 +211,21 @@ def test_an_engine_swaps_its_full_modules_package_in_while_it_serves(tmp_path):
     engine = Engine(model, config)
     want = generate(model, PROMPTS, 6)
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)) == want
-    before = engine.capture_report()["modules"]
-    assert before["full"]["startup"]["aot"].startswith("packaging 1 units in the background"), before["full"]
+    before = engine.capture_report()
+    assert before["modules"]["full"]["startup"]["aot"].startswith("packaging 1 units in the background")
+    assert {c["pick"] for c in before["decode_choice"].values()} == {"piecewise"}
+    assert "full" not in {s.kind for s in engine.steps}
     states = wait_packaging(tmp_path, timeout=600)
     assert sorted(s["state"] for s in states.values()) == ["done", "done"], states  # both modules' workers
+    served = len(engine.steps)
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)) == want
-    after = engine.capture_report()["modules"]
-    assert after["full"]["startup"]["aot"].startswith("the whole graph's package, swapped in "), after["full"]
-    assert after["full"]["sizes"] == before["full"]["sizes"]  # every size captured again
-    assert after["piecewise"]["startup"]["aot"] == before["piecewise"]["startup"]["aot"]  # its code: no swap
+    after = engine.capture_report()
+    full = after["modules"]["full"]
+    assert full["startup"]["aot"].startswith("the whole graph's package, swapped in "), full
+    assert full["sizes"] == before["modules"]["full"]["sizes"]  # every size captured again
+    assert after["modules"]["piecewise"]["startup"]["aot"] == before["modules"]["piecewise"]["startup"]["aot"]
+    assert {(c["pick"], c["when"]) for c in after["decode_choice"].values()} == {("full", "swap")}
+    assert {s.kind for s in engine.steps[served:] if s.is_decode} == {"full"}
 
 
 def test_a_unit_calling_a_collective_is_not_packaged():

@@ -130,7 +130,8 @@ def test_auto_replays_the_decode_module_measured_faster_per_size(model, expected
     times = {("full", 1): 1.0, ("piecewise", 1): 2.0, ("full", 2): 3.0, ("piecewise", 2): 2.5}
     engine.executor.choose_decode(lambda slot, n: times[slot.kind, n])
     choice = engine.capture_report()["decode_choice"]
-    assert choice[2] == {"pick": "piecewise", "full_ms": 3.0, "piecewise_ms": 2.5, "by": "measured"}
+    assert choice[2] == {"pick": "piecewise", "full_ms": 3.0, "piecewise_ms": 2.5, "by": "measured",
+                         "when": "capture"}
     assert choice[1]["pick"] == "full"
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW)) == expected
     decode = [s for s in engine.steps if s.is_decode and s.tokens <= 2]
