@@ -73,7 +73,8 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     # Half the cores' compile processes at most (the user's setting wins): the start keeps the rest
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    with open(job_path(root, key, ".log", make=True), "ab") as out:
+    # The log of this job only, as the state is its only (no other worker runs: checked above)
+    with open(job_path(root, key, ".log", make=True), "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "piecegraph.trace.aot_worker", str(path)],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

@@ -6,11 +6,13 @@ CPU (packaging compiles C++: ~6-10 s a unit here, so the cold entries are made o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,22 +80,49 @@ print(json.dumps({"cache": startup["cache"], "trace": startup["trace"], "aot": s
 """
 
 
-def _process_start(root: Path, mode: str, aot: str = "1", *flags: str) -> tuple[dict, str]:
+def _process_starts(*starts: tuple) -> list[tuple[dict, str]]:
+    """Each ``(root, mode, aot, *flags)`` started in its own process, all at once (each runs one thread, and
+    CI has two cores); their reports and logs, in order."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", START, str(root), mode, aot, *flags],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+    with contextlib.ExitStack() as files:  # files, not pipes: a full pipe would stall a process not read yet
+        logs = [(files.enter_context(tempfile.TemporaryFile("w+")), files.enter_context(tempfile.TemporaryFile("w+")))
+                for _ in starts]
+        procs = [subprocess.Popen([sys.executable, "-c", START, *map(str, start)], stdout=out, stderr=err, env=env)
+                 for start, (out, err) in zip(starts, logs)]
+        reports = []
+        for proc, (out, err) in zip(procs, logs):
+            proc.wait(timeout=600)
+            out.seek(0), err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            assert proc.returncode == 0, stderr[-3000:]
+            reports.append((json.loads(stdout.strip().splitlines()[-1]), stderr))
+    return reports
+
+
+def _process_start(root: Path, mode: str, aot: str = "1", *flags: str) -> tuple[dict, str]:
+    return _process_starts((root, mode, aot, *flags))[0]
 
 
 @pytest.fixture(scope="module")
 def entries(tmp_path_factory):
     """mode -> (cache folder, the cold start's report): each made once, by a cold start in its own process."""
-    out = {}
-    for mode in SIZES:
-        root = tmp_path_factory.mktemp(f"aot-{mode}")
-        out[mode] = root, _process_start(root, mode)[0]
-    return out
+    roots = {mode: tmp_path_factory.mktemp(f"aot-{mode}") for mode in SIZES}
+    reports = _process_starts(*((roots[mode], mode, "1") for mode in SIZES))
+    return {mode: (roots[mode], report) for mode, (report, _) in zip(SIZES, reports)}
+
+
+@pytest.fixture(scope="module")
+def later_starts(entries, tmp_path_factory):
+    """A start from a copy of each entry, altered: "broken" (no package loads), "changed" (an attribute the trace
+    baked in), "truncated" (a package cut in half); all at once. name -> (report, log)."""
+    roots = {name: tmp_path_factory.mktemp(name) / "copy" for name in ("broken", "changed", "truncated")}
+    for name, root in roots.items():
+        shutil.copytree(entries["full" if name == "truncated" else "piecewise"][0], root)
+    (package,) = (roots["truncated"] / "entries").glob("*/unit0.pt2")
+    package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
+    starts = [(roots["broken"], "piecewise", "1", "broken"), (roots["changed"], "piecewise", "1", "changed"),
+              (roots["truncated"], "full", "0")]  # rebuilt by Inductor alone: no packaging there
+    return dict(zip(roots, _process_starts(*starts)))
 
 
 def _start(root: Path, mode: str, **config):
@@ -121,30 +150,22 @@ def test_a_second_process_loads_the_packages_without_the_compiler_and_gives_the_
     assert f"{1 if mode == 'full' else 3} AOTInductor packages" in shown.output, shown.output
 
 
-def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warning(entries, tmp_path):
-    root = tmp_path / "copy"
-    shutil.copytree(entries["piecewise"][0], root)
-    start, log = _process_start(root, "piecewise", "1", "broken")
+def test_packages_that_do_not_load_leave_the_start_on_compiled_code_with_a_warning(entries, later_starts):
+    start, log = later_starts["broken"]
     assert "compiled packages could not be used (RuntimeError: Error in dlopen" in log
     assert start["trace"] == "loaded" and start["generate_equal"]  # the cached trace, compiled by Inductor
     assert start["out"] == entries["piecewise"][1]["out"]
 
 
-def test_a_model_attribute_changed_since_the_trace_never_runs_the_packages(entries, tmp_path):
-    root = tmp_path / "copy"
-    shutil.copytree(entries["piecewise"][0], root)
-    start, log = _process_start(root, "piecewise", "1", "changed")
+def test_a_model_attribute_changed_since_the_trace_never_runs_the_packages(entries, later_starts):
+    start, log = later_starts["changed"]
     assert "compiled packages could not be used (LookupError: the model's attributes" in log
     assert start["trace"] == "traced" and start["generate_equal"]  # traced anew: eager with the new eps
     assert start["out"] != entries["piecewise"][1]["out"]  # the baked-in eps would have given the old output
 
 
-def test_a_truncated_package_is_never_loaded_the_entry_is_rebuilt(entries, tmp_path):
-    root = tmp_path / "copy"
-    shutil.copytree(entries["full"][0], root)
-    (package,) = (root / "entries").glob("*/unit0.pt2")
-    package.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
-    start, _ = _process_start(root, "full", "0")  # rebuilt by Inductor alone: no packaging here
+def test_a_truncated_package_is_never_loaded_the_entry_is_rebuilt(later_starts):
+    start, _ = later_starts["truncated"]
     assert start["cache"].startswith("rebuilt (corrupt") and start["trace"] == "traced", start["cache"]
     assert start["generate_equal"]
 
