@@ -9,12 +9,13 @@ from typing import Optional
 
 import typer
 
-from piecegraph.cache.packaging import job_path, read_state, running
+from piecegraph.cache.packaging import FOLDER, job_path, read_state, running, wait_packaging
 from piecegraph.cache.paths import default_cache_dir, resolve_cache_dir
 from piecegraph.cache.store import Store
 
 cache_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                        help="The compile cache: what it holds (info), emptying it (clear).")
+                        help="The compile cache: what it holds (info), waiting for its background packaging "
+                             "(wait), emptying it (clear).")
 
 _DIR = typer.Option(None, "--dir", help="the cache folder (default: $PIECEGRAPH_CACHE_DIR, else "
                     "$XDG_CACHE_HOME/piecegraph, else ~/.cache/piecegraph)")
@@ -59,6 +60,37 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
         if job and job.get("state") != "done":  # queued, running, failed or dropped: say it, with why
             why = f": {job['why']}" if job.get("why") else ""
             typer.echo(f"    background packaging {job.get('state')}{why} (log {job_path(root, row['key'], '.log')})")
+
+
+@cache_app.command()
+def wait(folder: Optional[Path] = _DIR,
+         timeout: Optional[float] = typer.Option(None, "--timeout", help="give up after this many seconds")) -> None:
+    """Wait until no background packaging worker runs (after a cold start, so the next start loads packages:
+    an image build, a deploy script), then print each job's last state. Exit code 1 when a job failed, 2 on
+    timeout."""
+    from rich.console import Console
+
+    root = _root(folder)
+    folder_ = root / FOLDER
+    busy = [p.stem for p in folder_.glob("*.json") if running(root, p.stem)] if folder_.exists() else []
+    try:
+        with Console(stderr=True).status(f"waiting for {len(busy)} background packaging job(s) under {root}"):
+            states = wait_packaging(root, timeout)
+    except TimeoutError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+    for key, state in states.items():
+        if state.get("state") in ("queued", "running"):  # its process is gone: it died before its last word
+            state["state"] = "failed"
+            state["why"] = "ended without a word"
+        why = f": {state['why']}" if state.get("why") else ""
+        seconds = f" in {state['seconds']:.0f} s" if isinstance(state.get("seconds"), (int, float)) else ""
+        typer.echo(f"  {key}  {state.get('state', 'unknown')}{seconds}{why}")
+    if any(state.get("state") == "failed" for state in states.values()):
+        typer.echo(f"piecegraph cache: a packaging job failed; its log is under {folder_}", err=True)
+        raise typer.Exit(1)
+    if not states:
+        typer.echo(f"piecegraph cache: no background packaging under {root}")
 
 
 @cache_app.command()

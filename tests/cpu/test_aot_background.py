@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pickle
 
 import pytest
@@ -40,7 +41,9 @@ def test_the_start_is_ready_on_inductor_code_and_the_next_one_loads_the_workers_
     assert (cold["cache"], cold["trace"]) == ("cold", "traced")
     assert cold["aot"].startswith(f"packaging {UNITS[mode]} units in the background (pid "), cold["aot"]
     assert cold["generate_equal"]
-    (state,) = wait_packaging(tmp_path, timeout=600).values()
+    waited = CliRunner().invoke(cache_app, ["wait", "--dir", str(tmp_path), "--timeout", "600"])
+    assert waited.exit_code == 0 and " done in " in waited.output, waited.output
+    (state,) = wait_packaging(tmp_path, timeout=0).values()
     assert (state["state"], state["why"], state["units"]) == ("done", "", UNITS[mode]), state
     shown = CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path)])
     assert f"{UNITS[mode]} AOTInductor packages" in shown.output, shown.output
@@ -76,8 +79,11 @@ def test_a_failed_worker_says_why_and_is_not_started_again_for_the_same_trace(tm
     key = _entry(tmp_path, b"trace")
     said, packaging = start_worker(tmp_path, key, b"trace", _failing_plan())
     assert said.startswith("packaging 1 units in the background (pid ") and packaging, said
-    (state,) = wait_packaging(tmp_path, timeout=600).values()
+    waited = CliRunner().invoke(cache_app, ["wait", "--dir", str(tmp_path), "--timeout", "600"])
+    assert waited.exit_code == 1 and f"{key}  failed in " in waited.output, waited.output
+    (state,) = wait_packaging(tmp_path, timeout=0).values()
     assert state["state"] == "failed" and "boom" in state["why"], state
+    assert "RuntimeError: boom: this unit cannot be exported" in waited.output
     assert sorted(Store(tmp_path).load(key, {"model": "m"}).files) == ["mega.bin", "trace.pkl"]  # untouched
     again, packaging = start_worker(tmp_path, key, b"trace", _failing_plan())
     assert not packaging
@@ -86,6 +92,11 @@ def test_a_failed_worker_says_why_and_is_not_started_again_for_the_same_trace(tm
     assert "background packaging failed: RuntimeError: boom: this unit cannot be exported (log " in shown, shown
     assert "packaging failed" not in CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path / "none")]).output
     assert not (tmp_path / "none").exists()  # looking makes no folder
+    none = CliRunner().invoke(cache_app, ["wait", "--dir", str(tmp_path / "none")])
+    assert none.exit_code == 0 and "no background packaging" in none.output, none.output
+    write_state(tmp_path, key, state="running", pid=os.getpid())  # a live worker: this process stands in
+    late = CliRunner().invoke(cache_app, ["wait", "--dir", str(tmp_path), "--timeout", "0.3"])
+    assert late.exit_code == 2 and f"packaging of {key} still running after 0.3 s" in late.output, late.output
 
 
 def test_a_worker_adds_nothing_to_an_entry_whose_trace_changed(tmp_path):
