@@ -59,7 +59,10 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
         job = row.get("packaging") or {}
         if job and job.get("state") != "done":  # queued, running, failed or dropped: say it, with why
             why = f": {job['why']}" if job.get("why") else ""
-            typer.echo(f"    background packaging {job.get('state')}{why} (log {job_path(root, row['key'], '.log')})")
+            done = f" ({job.get('units_done', 0)}/{job['units']} units)" if job.get("state") == "running" \
+                and job.get("units") else ""
+            typer.echo(f"    background packaging {job.get('state')}{done}{why} "
+                       f"(log {job_path(root, row['key'], '.log')})")
 
 
 @cache_app.command()
@@ -71,11 +74,15 @@ def wait(folder: Optional[Path] = _DIR,
     from rich.console import Console
 
     root = _root(folder)
-    folder_ = root / FOLDER
-    busy = [p.stem for p in folder_.glob("*.json") if running(root, p.stem)] if folder_.exists() else []
+
+    def show(busy: dict[str, dict]) -> None:
+        units = ", ".join(f"{key[:12]} {state.get('units_done', 0)}/{state.get('units', '?')} units"
+                          for key, state in busy.items())
+        status.update(f"background packaging under {root}: {units or 'finishing'}")
+
     try:
-        with Console(stderr=True).status(f"waiting for {len(busy)} background packaging job(s) under {root}"):
-            states = wait_packaging(root, timeout)
+        with Console(stderr=True).status(f"background packaging under {root}") as status:
+            states = wait_packaging(root, timeout, progress=show)
     except TimeoutError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
@@ -87,7 +94,7 @@ def wait(folder: Optional[Path] = _DIR,
         seconds = f" in {state['seconds']:.0f} s" if isinstance(state.get("seconds"), (int, float)) else ""
         typer.echo(f"  {key}  {state.get('state', 'unknown')}{seconds}{why}")
     if any(state.get("state") == "failed" for state in states.values()):
-        typer.echo(f"piecegraph cache: a packaging job failed; its log is under {folder_}", err=True)
+        typer.echo(f"piecegraph cache: a packaging job failed; its log is under {root / FOLDER}", err=True)
         raise typer.Exit(1)
     if not states:
         typer.echo(f"piecegraph cache: no background packaging under {root}")

@@ -9,7 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .store import write_atomic
 
@@ -82,14 +82,18 @@ def _alive(pid: Any) -> bool:
     return True
 
 
-def wait_packaging(root: str | Path, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+def wait_packaging(root: str | Path, timeout: float | None = None,
+                   progress: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
     """Wait until no packaging worker is queued or runs under ``root`` (``TimeoutError`` after ``timeout``
-    seconds); returns each key's last state ("done", "failed" or "dropped", with ``why`` and ``seconds``)."""
+    seconds); returns each key's last state ("done", "failed" or "dropped", with ``why`` and ``seconds``).
+    ``progress``: called at each look with the busy keys' states (a running one counts ``units_done``)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     folder = Path(root) / FOLDER
     while True:
         keys = sorted(p.stem for p in folder.glob("*.json")) if folder.exists() else []
         busy = [key for key in keys if running(root, key)]
+        if progress is not None:
+            progress({key: read_state(root, key) or {} for key in busy})
         if not busy:
             return {key: read_state(root, key) or {} for key in keys}
         if deadline is not None and time.monotonic() > deadline:

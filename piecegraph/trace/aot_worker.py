@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -94,12 +94,17 @@ def run_job(path: Path) -> str:
         common: dict[str, Any] = {"pid": os.getpid(), "torch": torch.__version__}
         write_state(root, key, state="running", **common)
         start = time.perf_counter()
+
+        def progress(done: int) -> None:  # kept in the last state too: how far a failed job got
+            common["units_done"] = done
+            write_state(root, key, state="running", **common)
+
         try:
             for module in header["modules"]:
                 importlib.import_module(module)  # the ops the units call, before their code is unpickled
             job: PackagingJob = pickle.loads(payload)
             common.update(units=len(job.units), trace_sha=job.trace_sha)
-            why = _package_and_add(job, root)
+            why = _package_and_add(job, root, progress)
         except Exception as err:  # noqa: BLE001  (export and AOTInductor raise many types: all end the job)
             traceback.print_exc()
             first = str(err).strip().splitlines()[0][:300] if str(err) else ""
@@ -125,7 +130,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _package_and_add(job: PackagingJob, root: Path) -> str:
+def _package_and_add(job: PackagingJob, root: Path, progress: Callable[[int], None]) -> str:
     index = next((u.spec.device_index for u in job.units if u.spec.device_index >= 0), None)
     if index is not None:
         torch.cuda.set_device(index)
@@ -136,6 +141,7 @@ def _package_and_add(job: PackagingJob, root: Path) -> str:
             package_unit(unit, Path(scratch))
             files[unit.spec.file] = (Path(scratch) / unit.spec.file).read_bytes()
             print(f"piecegraph: packaged {unit.spec.file} in {time.perf_counter() - began:.1f} s", flush=True)
+            progress(len(files))
         files[PROGRAM_FILE] = job.record
         store = Store(root)
         with store.locked(job.key):

@@ -156,8 +156,12 @@ def test_a_full_graph_compiled_by_pieces_swaps_in_the_whole_graphs_package_once_
     by_pieces = graphed.runner
     assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager
     assert graphed.runner is by_pieces  # the worker is still packaging: the program compiled by pieces runs
-    (state,) = wait_packaging(tmp_path, timeout=600).values()
-    assert state["state"] == "done", state
+    looks = []
+    (state,) = wait_packaging(tmp_path, timeout=600, progress=looks.append).values()
+    assert (state["state"], state["units_done"]) == ("done", 1), state
+    busy = [s for look in looks for s in look.values()]
+    assert busy and looks[-1] == {}  # seen packaging, then seen done
+    assert all(0 <= s.get("units_done", 0) <= s.get("units", 1) == 1 for s in busy), busy  # counts its unit
     pending = graphed._upgrade
     with Store(tmp_path).locked(graphed.stats()["startup"]["cache_key"]):  # another start holds the entry
         assert generate(model, PROMPTS, 5, cache=cache, decode_fn=graphed) == eager
