@@ -177,6 +177,13 @@ class Engine:
         self.scheduler.abort(request)
         return request
 
+    def idle(self) -> None:
+        """What the engine does while no request is in flight (a server's loop calls it when idle): the full
+        module's swap to its background package (see :meth:`Executor.refresh`), so the first request after a
+        quiet spell does not pay for it. Cheap when nothing is pending."""
+        if not self.has_work():
+            self.executor.refresh(self.cache)
+
     def has_work(self) -> bool:
         """Requests are queued or running, or a launched step's tokens are still to be read."""
         return self.scheduler.has_work() or self._inflight is not None

@@ -210,8 +210,9 @@ def test_a_failed_worker_leaves_the_full_graph_compiled_by_pieces(tmp_path, monk
 def test_an_engine_swaps_its_full_modules_package_in_while_it_serves_and_times_its_decode_choice_again(
         tmp_path, monkeypatch):
     """Auto's decode choice, timed (a stand-in timer; CPU has no graphs to time) against the full graph compiled by
-    pieces, replays the piecewise module for every decode size: the full module is never called, yet the engine
-    swaps its package in between steps, times the choice again, and decodes with it, the tokens equal eager's."""
+    pieces, replays the piecewise module for every decode size: the full module is never called, yet the idle
+    engine (as a server's loop calls it between requests) swaps its package in, times the choice again, and
+    decodes with it, the tokens equal eager's. (Steps look too: tests/cpu/test_serve.py.)"""
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
     from piecegraph.serve.executor import Executor
 
@@ -233,6 +234,10 @@ def test_an_engine_swaps_its_full_modules_package_in_while_it_serves_and_times_i
     states = wait_packaging(tmp_path, timeout=600)
     assert sorted(s["state"] for s in states.values()) == ["done", "done"], states  # both modules' workers
     served = len(engine.steps)
+    engine.idle()
+    swapped = engine.capture_report()
+    assert swapped["modules"]["full"]["startup"]["aot"].startswith("the whole graph's package, swapped in ")
+    assert len(engine.steps) == served  # swapped without a step
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=6)) == want
     after = engine.capture_report()
     full = after["modules"]["full"]

@@ -541,6 +541,43 @@ def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
     assert cells[cells.index("625") + 6] == "1.53"  # out tok/s, then total, TTFT x3, ITL mean, ITL p50
 
 
+def test_auto_times_its_decode_choice_again_after_the_full_module_swapped_its_program(model, expected,
+                                                                                       monkeypatch):
+    """A step first lets the full module look for its background package (a stand-in swap here; the real one is
+    tests/cpu/test_aot_background.py's), then, once it swapped, times the decode choice again: full graphs were
+    slower than piecewise before, faster after, and the steps follow. Without a swap nothing is timed again."""
+    engine = Engine(model, _config("auto", num_pages=15))
+    module = engine.executor.decode.module
+    timings = []
+
+    def timer(cache):
+        def time_one(slot, n):
+            timings.append((slot.kind, n))
+            return 1.0 if slot.kind == "piecewise" else (0.5 if module.swaps else 2.0)
+        return time_one
+
+    monkeypatch.setattr(engine.executor, "decode_timer", timer)
+    engine.executor.choose_decode(timer(None))
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    assert engine.generate(PROMPTS, params) == expected
+    assert len(timings) == 4  # two sizes, two modules, once: no swap, no timing again
+    assert {s.kind for s in engine.steps if s.is_decode and s.tokens <= 2} == {"piecewise"}
+    looks = []
+
+    def poll_upgrade():  # a worker's package appears: the next look swaps it in
+        looks.append(module.swaps)
+        module.swaps = 1
+        return True
+
+    monkeypatch.setattr(module, "poll_upgrade", poll_upgrade)
+    steps = len(engine.steps)
+    assert engine.generate(PROMPTS, params) == expected
+    assert looks and len(timings) == 8  # looked at every step; timed again once, after the swap
+    choice = engine.capture_report()["decode_choice"]
+    assert {(c["pick"], c["when"]) for c in choice.values()} == {("full", "swap")}
+    assert {s.kind for s in engine.steps[steps:] if s.is_decode and s.tokens <= 2} == {"full"}
+
+
 def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlapped(model, monkeypatch):
     """The overlapped engine's pace is the slower of host and device per step, so its decode choice times steps
     launched back to back, each with fresh metadata (the attention plan is host work a step pays); the
