@@ -144,13 +144,21 @@ class Executor:
         while auto replays the piecewise module for every decode size, and time the choice again after a swap
         (it was measured against the program compiled by pieces). Cheap when nothing is pending: an attribute
         read and a clock read."""
-        if self.decode is None or self.config.mode != "auto":
+        if self.decode is None:
             return
         self.decode.module.poll_upgrade()
-        if self.decode.module.swaps != self._timed_swaps:
+        if self.decode.module.swaps == self._timed_swaps:
+            return
+        before = dict(self.decode_choice)
+        try:
             self.choose_decode(self.decode_timer(cache), when="swap")
-            log.info("piecegraph engine: decode choice timed again after the full module's swap: %s",
-                     {n: c["pick"] for n, c in self.decode_choice.items()})
+        except Exception as err:  # noqa: BLE001  (a serving step must not fail for a timing: both modules work)
+            self.decode_choice, self._timed_swaps = before, self.decode.module.swaps
+            log.warning("piecegraph engine: timing the decode choice again after the full module's swap failed "
+                        "(%s: %s); keeping the choice timed before it", type(err).__name__, err)
+            return
+        log.info("piecegraph engine: decode choice timed again after the full module's swap: %s",
+                 {n: c["pick"] for n, c in self.decode_choice.items()})
 
     def num_sizes(self) -> int:
         return sum(len(s.sizes) for s in self.slots if s.kind != "eager")

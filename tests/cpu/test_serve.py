@@ -3,6 +3,7 @@ every mode, at any concurrency, with preemption; nothing lost or duplicated; pag
 graphs for pure decode steps, piecewise otherwise, no graph above the largest size) read from the step stats."""
 
 import json
+import logging
 import random
 
 import pytest
@@ -542,7 +543,7 @@ def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
 
 
 def test_auto_times_its_decode_choice_again_after_the_full_module_swapped_its_program(model, expected,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, caplog):
     """A step first lets the full module look for its background package (a stand-in swap here; the real one is
     tests/cpu/test_aot_background.py's), then, once it swapped, times the decode choice again: full graphs were
     slower than piecewise before, faster after, and the steps follow. Without a swap nothing is timed again."""
@@ -562,11 +563,11 @@ def test_auto_times_its_decode_choice_again_after_the_full_module_swapped_its_pr
     assert engine.generate(PROMPTS, params) == expected
     assert len(timings) == 4  # two sizes, two modules, once: no swap, no timing again
     assert {s.kind for s in engine.steps if s.is_decode and s.tokens <= 2} == {"piecewise"}
-    looks = []
+    looks, swapped = [], [1]
 
     def poll_upgrade():  # a worker's package appears: the next look swaps it in
         looks.append(module.swaps)
-        module.swaps = 1
+        module.swaps = swapped[0]
         return True
 
     monkeypatch.setattr(module, "poll_upgrade", poll_upgrade)
@@ -576,6 +577,19 @@ def test_auto_times_its_decode_choice_again_after_the_full_module_swapped_its_pr
     choice = engine.capture_report()["decode_choice"]
     assert {(c["pick"], c["when"]) for c in choice.values()} == {("full", "swap")}
     assert {s.kind for s in engine.steps[steps:] if s.is_decode and s.tokens <= 2} == {"full"}
+
+    def failing(cache):  # a timing that fails after a later swap: the step goes on with the choice it had
+        def time_one(slot, n):
+            raise RuntimeError("CUDA error: out of memory (timing)")
+        return time_one
+
+    monkeypatch.setattr(engine.executor, "decode_timer", failing)
+    swapped[0] = 2
+    with caplog.at_level(logging.WARNING, logger="piecegraph"):
+        assert engine.generate(PROMPTS, params) == expected
+    assert "timing the decode choice again after the full module's swap failed (RuntimeError" in caplog.text
+    assert engine.capture_report()["decode_choice"] == choice
+    assert caplog.text.count("timing the decode choice again") == 1  # once per swap, not once per step
 
 
 def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlapped(model, monkeypatch):
