@@ -15,7 +15,8 @@
 # baked-graph on the 0.5B shape. "fp8-block" times the FP8 block on FlashInfer (scripts/fp8_block_bench.py) in
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
-# (first JIT, cold, warm) and checks the graph memory estimate; "startup-aot" times starts from AOTInductor packages
+# (first JIT, cold, warm) and checks the graph memory estimate; "swap-bench" serves an engine whose full module
+# was compiled by pieces, before and after the whole graph's package is swapped in (scripts/swap_bench.py); "startup-aot" times starts from AOTInductor packages
 # (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "aoti-probe" packages a block with AOTInductor and loads it
 # in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
@@ -259,6 +260,14 @@ if has startup-aot; then  # issue 24: starts from AOTInductor packages against I
   WAIT=1 FULL=pieces one cold_pieces 420 "" /tmp/pg-start-pieces
   FULL=pieces one warm_pieces 90 "" /tmp/pg-start-pieces
   rm -rf /tmp/pg-start-inductor /tmp/pg-start-aot /tmp/pg-start-pieces
+fi
+if has swap-bench; then  # issue 24: one engine's decode on the pieces' program, then on the whole graph's package
+  rm -rf /tmp/pg-swap && timeout 900 python3 scripts/swap_bench.py "$OUT/swap_bench.json" /tmp/pg-swap \
+    >"$OUT/swap_bench.log" 2>&1
+  [ $? = 0 ] || status=1
+  tail -1 "$OUT/swap_bench.log"
+  cat /tmp/pg-swap/packaging/*.log >"$OUT/swap_bench_packaging.log" 2>/dev/null || true
+  rm -rf /tmp/pg-swap
 fi
 if has aoti-probe; then  # issue 24: a packaged piece loaded and run (and graph-replayed) without Dynamo or Inductor
   python3 scripts/aoti_warm_probe.py "$OUT/aoti" cuda 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/aoti_warm_probe.log"
