@@ -592,6 +592,58 @@ def test_auto_times_its_decode_choice_again_after_the_full_module_swapped_its_pr
     assert caplog.text.count("timing the decode choice again") == 1  # once per swap, not once per step
 
 
+class _Swapping:
+    """A full module stand-in: its program is swapped (``swaps`` counts) when the next look is told to."""
+
+    def __init__(self):
+        self.swaps, self.pending = 0, False
+
+    def poll_upgrade(self):
+        swapped, self.pending = self.pending, False
+        self.swaps += swapped
+        return swapped
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=st.lists(st.tuples(st.booleans(), st.sampled_from([None, 0, 1, 2, 3]), st.booleans()), max_size=12))
+def test_refresh_times_the_decode_choice_once_per_swap_and_keeps_the_last_one_when_a_timing_fails(events):
+    """Any sequence of steps, each maybe after a swap (first flag), whose timing may fail at its k-th of four
+    measurements (second) and may find piecewise faster (third): the choice is the last successful timing's, each
+    swap is timed once, at the first step after it, and a failed timing leaves the whole choice as it was.
+    Checked against a plain model of that rule, on :meth:`Executor.refresh` with stand-in modules."""
+    from piecegraph.serve.executor import Executor, Slot
+
+    executor = Executor.__new__(Executor)
+    module = _Swapping()
+    executor.decode, executor.mixed = Slot("full", module, (1, 2)), Slot("piecewise", object(), (1, 2, 4))
+    executor.decode_choice, executor._timed_swaps = {}, 0
+    timings, expected_picks, expected_timings = [], None, 0
+    for swapped, fails, piecewise_faster in events:
+        module.pending = swapped
+
+        def timer(cache, fails=fails, faster=piecewise_faster):
+            calls = []
+
+            def time_one(slot, n):
+                timings.append((slot.kind, n))
+                calls.append(n)
+                if fails is not None and len(calls) > fails:
+                    raise RuntimeError("timing failed")
+                return 1.0 if (slot.kind == "piecewise") == faster else 2.0
+            return time_one
+
+        executor.decode_timer = timer
+        executor.refresh(None)
+        if swapped:  # the model: timed once after a swap; kept as it was when the timing failed
+            expected_timings += 1
+            if fails is None:
+                expected_picks = "piecewise" if piecewise_faster else "full"
+        picks = {c["pick"] for c in executor.decode_choice.values()} or None
+        assert picks == (None if expected_picks is None else {expected_picks})
+        assert executor._timed_swaps == module.swaps  # looked at: not timed again at the next step
+    assert sum(1 for kind, n in timings if kind == "full" and n == 1) == expected_timings
+
+
 def test_decode_choice_times_steps_back_to_back_with_their_own_plan_when_overlapped(model, monkeypatch):
     """The overlapped engine's pace is the slower of host and device per step, so its decode choice times steps
     launched back to back, each with fresh metadata (the attention plan is host work a step pays); the
