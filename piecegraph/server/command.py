@@ -63,6 +63,9 @@ def serve(
                                "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
                                "restart skips tracing and compiling; Inductor-compiled engines only (the GPU "
                                "default; on CPU the default compiler is eager: nothing to cache)"),
+    full_compile: str = typer.Option("whole", "--full-compile", help="whole | pieces: auto's decode module "
+                                     "compiled as one graph, or by pieces (a faster cold start; with --cache the "
+                                     "whole graph is packaged in the background and swapped in once ready)"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -84,6 +87,8 @@ def serve(
         raise typer.BadParameter(f"{mode!r} is not one of {', '.join(ENGINE_MODES)}", param_hint="--mode")
     if compiler not in (None, "inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
+    if full_compile not in ("whole", "pieces"):
+        raise typer.BadParameter(f"{full_compile!r} is not whole or pieces", param_hint="--full-compile")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("piecegraph.server").setLevel(log_level.upper())  # capture logs stay quiet, ours do not
     device = resolve_device(device)
@@ -99,7 +104,7 @@ def serve(
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_seq_len or None,
                           compiler=compiler or ("inductor" if gpu else "eager"),
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
-                          cache_dir=cache)  # True: the default folder (or $PIECEGRAPH_CACHE_DIR)
+                          cache_dir=cache, full_compile=full_compile)  # cache True: the default folder
     frontends = api_servers or (default_api_servers(gpu) if engine_process else 1)
     if frontends > 1 and not engine_process:
         raise typer.BadParameter("several API servers need the engine in its own process (--engine-process)",

@@ -309,6 +309,26 @@ def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag
     result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", *flag])
     assert result.exit_code == 0, result.output
     assert seen["config"].cache_dir is expected
+    assert seen["config"].full_compile == "whole"
+
+
+def test_serve_full_compile_reaches_the_engine_and_a_wrong_value_is_refused_naming_the_option(monkeypatch):
+    from typer.testing import CliRunner
+
+    from piecegraph.cli import app
+    from piecegraph.server import run
+
+    seen = {}
+
+    def stop(factory, *args, **kwargs):
+        seen["config"] = factory.args[-1]
+        raise SystemExit(0)
+
+    monkeypatch.setattr(run, "build_process_state", stop)
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces"])
+    assert result.exit_code == 0 and seen["config"].full_compile == "pieces", result.output
+    wrong = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "halves"])
+    assert wrong.exit_code == 2 and "--full-compile" in wrong.output and "halves" in wrong.output, wrong.output
 
 
 def test_serve_api_servers_reach_the_engine_process_and_bad_ones_are_refused(monkeypatch):
