@@ -1,6 +1,6 @@
 """Decode speed before and after the swap (issue 24): an engine started cold with its full module compiled by pieces
 (``EngineConfig(full_compile="pieces")``, packaging in the background) serves closed loops on that program, waits
-for the background workers, lets the idle engine swap the whole graph's package in (``Engine.idle``), and serves
+for the background workers, lets the idle engine swap the whole graph's package in (``Engine.idle_work``), and serves
 the same loops again; the decode-only ITL floor (concurrency 1) is timed on each side too. One process, one engine:
 the two sides differ only by the full module's program (and auto's decode choice, timed again after the swap).
 
@@ -76,7 +76,7 @@ def main(out_path: str, cache_dir: str | None = None) -> None:
     swap_s, deadline = None, time.monotonic() + 10
     while full.swaps == 0 and time.monotonic() < deadline:  # the module looks at most once a second
         start = time.perf_counter()
-        engine.idle()
+        engine.idle_work()
         if full.swaps:
             swap_s = time.perf_counter() - start
         time.sleep(0.05)

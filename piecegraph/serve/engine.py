@@ -177,7 +177,7 @@ class Engine:
         self.scheduler.abort(request)
         return request
 
-    def idle(self) -> None:
+    def idle_work(self) -> None:
         """What the engine does while no request is in flight (a server's loop calls it when idle): the full
         module's swap to its background package (see :meth:`Executor.refresh`), so the first request after a
         quiet spell does not pay for it. Cheap when nothing is pending."""

@@ -198,7 +198,7 @@ class EngineLoop:
             taken = clock()
             self._spent("idle" if idle else "commands", taken - began)
             if not self.engine.has_work():
-                self.engine.idle()  # a swap a background package brought, between requests rather than in one
+                self.engine.idle_work()  # a swap a background package brought, between requests rather than in one
                 continue
             try:
                 finished = self.engine.step()

@@ -234,7 +234,7 @@ def test_an_engine_swaps_its_full_modules_package_in_while_it_serves_and_times_i
     states = wait_packaging(tmp_path, timeout=600)
     assert sorted(s["state"] for s in states.values()) == ["done", "done"], states  # both modules' workers
     served = len(engine.steps)
-    engine.idle()
+    engine.idle_work()
     swapped = engine.capture_report()
     assert swapped["modules"]["full"]["startup"]["aot"].startswith("the whole graph's package, swapped in ")
     assert len(engine.steps) == served  # swapped without a step
