@@ -85,7 +85,8 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
 
 def run_job(path: Path) -> str:
     """Package the job at ``path`` and add the packages to its cache entry; returns the final state, also
-    written to the entry's packaging state (with why, and the seconds it took)."""
+    written to the entry's packaging state (with why, the seconds it took, the units packaged and, when it used a
+    GPU, the most device memory its allocator held)."""
     header, payload = pickle.loads(path.read_bytes())
     root, key = Path(header["root"]), header["key"]
     with held(root, key) as mine:
@@ -99,6 +100,11 @@ def run_job(path: Path) -> str:
             common["units_done"] = done
             write_state(root, key, state="running", **common)
 
+        def end(state: str, why: str) -> str:
+            write_state(root, key, state=state, why=why, seconds=time.perf_counter() - start, **common,
+                        **_device_peak())
+            return state
+
         try:
             for module in header["modules"]:
                 importlib.import_module(module)  # the ops the units call, before their code is unpickled
@@ -108,14 +114,18 @@ def run_job(path: Path) -> str:
         except Exception as err:  # noqa: BLE001  (export and AOTInductor raise many types: all end the job)
             traceback.print_exc()
             first = str(err).strip().splitlines()[0][:300] if str(err) else ""
-            write_state(root, key, state="failed", why=f"{type(err).__name__}: {first}",
-                        seconds=time.perf_counter() - start, **common)
-            return "failed"
+            return end("failed", f"{type(err).__name__}: {first}")
         finally:
             path.unlink(missing_ok=True)
-        state = "done" if not why else "dropped"
-        write_state(root, key, state=state, why=why, seconds=time.perf_counter() - start, **common)
-        return state
+        return end("done" if not why else "dropped", why)
+
+
+def _device_peak() -> dict[str, float]:
+    """The most GPU memory the worker's allocator held (its CUDA context aside), in MiB: what it took from the
+    device beside the server it packages for. Nothing when it used no GPU."""
+    if not torch.cuda.is_initialized():
+        return {}
+    return {"device_peak_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
 
 
 def main(argv: list[str]) -> int:
