@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from piecegraph.cache.packaging import FOLDER, job_path, read_state, running, wait_packaging
+from piecegraph.cache.packaging import FOLDER, forget_failures, job_path, read_state, running, wait_packaging
 from piecegraph.cache.paths import default_cache_dir, resolve_cache_dir
 from piecegraph.cache.store import Store
 
@@ -101,11 +101,18 @@ def wait(folder: Optional[Path] = _DIR,
 
 
 @cache_app.command()
-def clear(folder: Optional[Path] = _DIR, yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")) -> None:
+def clear(folder: Optional[Path] = _DIR, yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
+          failed_packaging: bool = typer.Option(False, "--failed-packaging", help="only forget the background "
+                                                "packaging jobs that failed, so the next start packages again "
+                                                "(entries and compiled code kept)")) -> None:
     """Remove every entry and the Inductor and FlashInfer folders under the cache folder."""
     root = _root(folder)
     if not root.exists():
         typer.echo(f"piecegraph cache: {root} is absent; nothing to clear")
+        return
+    if failed_packaging:
+        keys = forget_failures(root)
+        typer.echo(f"piecegraph cache: forgot {len(keys)} failed packaging job(s)" + "".join(f"\n  {k}" for k in keys))
         return
     if not yes:
         typer.confirm(f"remove {root} and everything under it?", abort=True)

@@ -82,6 +82,19 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def forget_failures(root: str | Path) -> list[str]:
+    """Forget every packaging job under ``root`` that failed (or whose worker died without a word), so the next
+    start of its entry packages again; entries and compiled code are kept. The keys forgotten."""
+    folder = Path(root) / FOLDER
+    forgotten = []
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        state = (read_state(root, path.stem) or {}).get("state")
+        if state == "failed" or (state in ("queued", "running") and not running(root, path.stem)):
+            path.unlink(missing_ok=True)
+            forgotten.append(path.stem)
+    return forgotten
+
+
 def wait_packaging(root: str | Path, timeout: float | None = None,
                    progress: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
     """Wait until no packaging worker is queued or runs under ``root`` (``TimeoutError`` after ``timeout``

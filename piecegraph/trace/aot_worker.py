@@ -63,7 +63,8 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     if before.get("state") == "failed" and before.get("trace_sha") == sha and before.get("torch") == torch.__version__ \
             and "OutOfMemoryError" not in str(before.get("why")):
         return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
-                f"{job_path(root, key, '.log')}); `piecegraph cache clear` makes it try again"), False
+                f"{job_path(root, key, '.log')}); `piecegraph cache clear --failed-packaging` makes it try "
+                "again"), False
     modules = op_modules(job.graph for job in plan.jobs)
     job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
     path = job_path(root, key, ".job", make=True)

@@ -97,6 +97,16 @@ def test_a_failed_worker_says_why_and_is_not_started_again_for_the_same_trace(tm
     write_state(tmp_path, key, state="running", pid=os.getpid())  # a live worker: this process stands in
     late = CliRunner().invoke(cache_app, ["wait", "--dir", str(tmp_path), "--timeout", "0.3"])
     assert late.exit_code == 2 and f"packaging of {key} still running after 0.3 s" in late.output, late.output
+    forget = ["clear", "--dir", str(tmp_path), "--failed-packaging"]
+    assert "forgot 0 failed" in CliRunner().invoke(cache_app, forget).output  # a running job is not forgotten
+    write_state(tmp_path, key, state="failed", why="RuntimeError: boom", trace_sha=state["trace_sha"],
+                torch=state["torch"])
+    forgot = CliRunner().invoke(cache_app, forget).output
+    assert f"forgot 1 failed packaging job(s)\n  {key}" in forgot, forgot
+    assert sorted(Store(tmp_path).load(key, {"model": "m"}).files) == ["mega.bin", "trace.pkl"]  # the entry kept
+    retried, packaging = start_worker(tmp_path, key, b"trace", _failing_plan())
+    assert packaging and retried.startswith("packaging 1 units in the background"), retried
+    assert wait_packaging(tmp_path, timeout=600)[key]["state"] == "failed"  # it tried again (and failed again)
 
 
 def test_a_worker_adds_nothing_to_an_entry_whose_trace_changed(tmp_path):
