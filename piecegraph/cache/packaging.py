@@ -61,18 +61,41 @@ def running(root: str | Path, key: str) -> bool:
     """Whether the key's worker is queued or running: its state says so and its process lives (a worker that
     died without a word does not count), or it holds the packaging lock."""
     state = read_state(root, key) or {}
-    if state.get("state") in ("queued", "running") and _alive(state.get("pid")):
-        return True
+    if state.get("state") in ("queued", "running"):
+        ended = _ended_child(state.get("pid"))
+        if ended:  # this process started it and saw it end before its last word: say how, in its state
+            kept = {k: v for k, v in state.items() if k not in ("key", "updated", "state", "why")}
+            write_state(root, key, state="failed", why=f"the worker {ended} before its last word", **kept)
+        elif _alive(state.get("pid")):
+            return True
     with held(root, key) as mine:
         return not mine
+
+
+def _ended_child(pid: Any) -> str:
+    """How our own child ``pid`` ended ("ended by SIGSEGV", "exited with code 1"), reaping it; '' while it runs,
+    when it exited with 0, or when it is not our child."""
+    import signal
+
+    if not isinstance(pid, int):
+        return ""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return ""
+    if done != pid:
+        return ""
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else str(number)
+        return f"ended by {name}"
+    code = os.WEXITSTATUS(status)
+    return f"exited with code {code}" if code else ""  # 0: it said its word, or left the entry to another worker
 
 
 def _alive(pid: Any) -> bool:
     if not isinstance(pid, int):
         return False
-    with contextlib.suppress(ChildProcessError):  # our own child: reap it if it ended (a zombie is not alive)
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -133,6 +133,9 @@ def main(argv: list[str]) -> int:
     """The worker's command line: one job file. It runs at a lower CPU priority (nice 10, its compile processes
     too), with half the cores' compile processes at most and one thread for its CPU runs: the start it packages
     for is capturing or serving meanwhile, and a serving step is host-bound."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a crash in native code (export, AOTInductor, CUDA) leaves its stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with contextlib.suppress(OSError, AttributeError):  # no os.nice (Windows), or not allowed: full priority
         os.nice(10)

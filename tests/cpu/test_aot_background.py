@@ -264,3 +264,21 @@ def test_a_unit_calling_a_collective_is_not_packaged():
     traced = torch.fx.symbolic_trace(lambda x: torch.ops.piecegraph_tp.all_reduce(x * 2, "tp"))
     with pytest.raises(ValueError, match=r"collective ops \(piecegraph_tp::\*\): tensor-parallel programs"):
         describe_unit(traced, [torch.zeros(4, 3)], False, "unit0.pt2")
+
+
+def test_a_worker_that_dies_by_a_signal_is_named_so_in_its_state(tmp_path):
+    """The start that launched a worker and sees it end before its last word (a crash in native code, the kernel's
+    out-of-memory killer) writes how it ended into the job's state: "failed", naming the signal."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    write_state(tmp_path, "k" * 32, state="running", pid=proc.pid, units=1)
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped: running() reaps it
+    from piecegraph.cache.packaging import running
+
+    assert not running(tmp_path, "k" * 32)
+    state = read_state(tmp_path, "k" * 32)
+    assert (state["state"], state["why"], state["units"]) == (
+        "failed", f"the worker ended by {signal.SIGSEGV.name} before its last word", 1), state
