@@ -9,7 +9,14 @@ from typing import Optional
 
 import typer
 
-from piecegraph.cache.packaging import FOLDER, forget_failures, job_path, read_state, running, wait_packaging
+from piecegraph.cache.packaging import (
+    FOLDER,
+    ended_silently,
+    forget_failures,
+    job_path,
+    read_state,
+    wait_packaging,
+)
 from piecegraph.cache.paths import default_cache_dir, resolve_cache_dir
 from piecegraph.cache.store import Store
 
@@ -40,7 +47,7 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
     rows = Store(root).entries()
     for row in rows:
         job = row["packaging"] = read_state(root, row["key"])
-        if job and job.get("state") in ("queued", "running") and not running(root, row["key"]):
+        if job and ended_silently(root, row["key"], job):
             job["state"] = "ended without a word (see its log)"
     parts = {name: _folder_bytes(root / name) for name in ("entries", "inductor", "flashinfer")}
     if as_json:
@@ -87,7 +94,7 @@ def wait(folder: Optional[Path] = _DIR,
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
     for key, state in states.items():
-        if state.get("state") in ("queued", "running"):  # its process is gone: it died before its last word
+        if ended_silently(root, key, state):
             state["state"] = "failed"
             state["why"] = "ended without a word"
         why = f": {state['why']}" if state.get("why") else ""

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 from .store import write_atomic
 
 FOLDER = "packaging"
+BUSY = ("queued", "running")  # the states a worker writes before its last word
 
 
 def job_path(root: str | Path, key: str, suffix: str, make: bool = False) -> Path:
@@ -61,7 +62,7 @@ def running(root: str | Path, key: str) -> bool:
     """Whether the key's worker is queued or running: its state says so and its process lives (a worker that
     died without a word does not count), or it holds the packaging lock."""
     state = read_state(root, key) or {}
-    if state.get("state") in ("queued", "running"):
+    if state.get("state") in BUSY:
         ended = _ended_child(state.get("pid"))
         if ended:  # this process started it and saw it end before its last word: say how, in its state
             kept = {k: v for k, v in state.items() if k not in ("key", "updated", "state", "why")}
@@ -105,14 +106,20 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def ended_silently(root: str | Path, key: str, state: dict[str, Any]) -> bool:
+    """Whether the key's last ``state`` says a worker is queued or running while none is: it ended before its
+    last word (killed, or crashed in native code)."""
+    return state.get("state") in BUSY and not running(root, key)
+
+
 def forget_failures(root: str | Path) -> list[str]:
     """Forget every packaging job under ``root`` that failed (or whose worker died without a word), so the next
     start of its entry packages again; entries and compiled code are kept. The keys forgotten."""
     folder = Path(root) / FOLDER
     forgotten = []
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
-        state = (read_state(root, path.stem) or {}).get("state")
-        if state == "failed" or (state in ("queued", "running") and not running(root, path.stem)):
+        state = read_state(root, path.stem) or {}
+        if state.get("state") == "failed" or ended_silently(root, path.stem, state):
             path.unlink(missing_ok=True)
             forgotten.append(path.stem)
     return forgotten
