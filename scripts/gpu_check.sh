@@ -16,7 +16,8 @@
 # eager, breakable, auto and auto with static compiles (FP8_MODES picks some); "fp8-moe" the same for the FP8 MoE block on FlashInfer's
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
 # (first JIT, cold, warm) and checks the graph memory estimate; "swap-bench" serves an engine whose full module
-# was compiled by pieces, before and after the whole graph's package is swapped in (scripts/swap_bench.py); "startup-aot" times starts from AOTInductor packages
+# was compiled by pieces, before and after the whole graph's package is swapped in (scripts/swap_bench.py); "startup-engine" times an engine's starts (scripts/engine_start.py: first JIT,
+# cold, warm, and cold with the engine's defaults); "startup-aot" times starts from AOTInductor packages
 # (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "aoti-probe" packages a block with AOTInductor and loads it
 # in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
@@ -260,6 +261,24 @@ if has startup-aot; then  # issue 24: starts from AOTInductor packages against I
   WAIT=1 FULL=pieces one cold_pieces 420 "" /tmp/pg-start-pieces
   FULL=pieces one warm_pieces 90 "" /tmp/pg-start-pieces
   rm -rf /tmp/pg-start-inductor /tmp/pg-start-aot /tmp/pg-start-pieces
+fi
+if has startup-engine; then  # issue 24's targets, for the engine itself: one shared trace, decode compiled by pieces
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
+  engine() {  # $1: name, $2: cache folder; FULL / SHARE / AOT / BG: the engine's options (scripts/engine_start.py)
+    PIECEGRAPH_START_FULL_COMPILE=${FULL:-pieces} PIECEGRAPH_START_SHARE_TRACE=${SHARE:-1} PIECEGRAPH_START_AOT=${AOT:-} \
+      PIECEGRAPH_START_AOT_BACKGROUND=${BG:-1} timeout 420 python3 scripts/engine_start.py "$2" \
+      >"$OUT/engine_$1.json" 2>"$OUT/engine_$1.err"
+    echo "engine $1 rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['ready_s'], 2), \
+      {k: (m['startup']['cache'], m['startup']['trace'], m['startup'].get('aot'), round(m['setup_s'], 2)) \
+      for k, m in r['modules'].items()}, r['tokens'][0][:6])" "$OUT/engine_$1.json" 2>&1 | tail -1)"
+    cat "$2"/packaging/*.log >"$OUT/engine_$1_packaging.log" 2>/dev/null || true
+  }
+  AOT=0 engine jit_first /tmp/pg-engine-first  # FlashInfer's kernels built here: the starts below do not build
+  engine cold /tmp/pg-engine
+  python3 -m piecegraph.cli cache wait --dir /tmp/pg-engine --timeout 300 >"$OUT/engine_wait.log" 2>&1
+  engine warm /tmp/pg-engine
+  AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults, no packages
+  rm -rf /tmp/pg-engine-first /tmp/pg-engine /tmp/pg-engine-plain
 fi
 if has swap-bench; then  # issue 24: one engine's decode on the pieces' program, then on the whole graph's package
   rm -rf /tmp/pg-swap && timeout 900 python3 scripts/swap_bench.py "$OUT/swap_bench.json" /tmp/pg-swap \

@@ -2,7 +2,9 @@
 loads both modules' traced programs (no Dynamo) and hits every torch cache it compiles through (Inductor's FX
 graph cache and AOTAutograd's: a first warm start used to miss the latter, whose key hashed the order of the
 piece module's attributes, which differs between a piece built under Dynamo and one built from the restored
-graph), and computes the same bits as the cold start; its start-up report accounts for the setup's seconds."""
+graph), and computes the same bits as the cold start; its start-up report accounts for the setup's seconds. The
+engine start script (scripts/engine_start.py: issue 24's targets are for an engine) likewise, against eager
+greedy decoding."""
 
 import json
 import os
@@ -13,10 +15,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _start(cache_dir: Path) -> dict:
+def _start(cache_dir: Path, script: str = "start_once.py") -> dict:
     env = dict(os.environ, PIECEGRAPH_START_DEVICE="cpu", PIECEGRAPH_START_MODEL="tiny", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "start_once.py"), str(cache_dir)],
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), str(cache_dir)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -37,3 +39,19 @@ def test_a_warm_start_loads_its_programs_and_hits_every_torch_cache(tmp_path):
         assert first["compiler_import_s"] > 0 and start["startup"]["decode"]["compiler_import_s"] < 0.05
         parts = sum(first[k] for k in ("compiler_import_s", "cache_load_s", "prewarm_s", "trace_s", "compile_s"))
         assert parts <= first["setup_s"] <= parts + 0.5 + 0.1 * first["setup_s"], first
+
+
+def test_an_engine_starts_cold_on_one_shared_trace_then_warm_from_its_entries_with_eager_tokens(tmp_path):
+    import torch
+
+    from piecegraph.models import TINY, Decoder, generate
+
+    cold, warm = _start(tmp_path, "engine_start.py"), _start(tmp_path, "engine_start.py")
+    assert {k: m["startup"]["trace"] for k, m in cold["modules"].items()} == {"piecewise": "traced", "full": "shared"}
+    assert {k: m["startup"]["trace"] for k, m in warm["modules"].items()} == {"piecewise": "loaded", "full": "loaded"}
+    assert all(m["startup"]["cache"] == "warm" for m in warm["modules"].values())
+    model = Decoder.random(TINY, dtype=torch.float32)
+    prompts = [[(7 * i + j) % TINY.vocab_size for j in range(5 + 3 * i)] for i in range(4)]
+    want = generate(model, prompts, len(cold["tokens"][0]))
+    assert cold["tokens"] == want and warm["tokens"] == want
+    assert warm["ready_s"] < cold["ready_s"]
