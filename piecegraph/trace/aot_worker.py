@@ -62,9 +62,13 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     # A failure is the code's, so it would fail again; but memory is the machine's at the time: that one retries.
     if before.get("state") == "failed" and before.get("trace_sha") == sha and before.get("torch") == torch.__version__ \
             and "OutOfMemoryError" not in str(before.get("why")):
+        # A crash in native code (the package loader's, on the H200 with torch 2.11) would crash again: say
+        # what packages anyway
+        crashed = " ended by SIG" in str(before.get("why"))
+        instead = "; Config(aot_background=False) packages in the setup instead" if crashed else ""
         return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
                 f"{job_path(root, key, '.log')}); `piecegraph cache clear --failed-packaging` makes it try "
-                "again"), False
+                f"again{instead}"), False
     modules = op_modules(job.graph for job in plan.jobs)
     job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
     path = job_path(root, key, ".job", make=True)

@@ -274,7 +274,9 @@ def test_a_worker_that_dies_by_a_signal_is_named_so_in_its_state(tmp_path):
     import sys
 
     proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
-    write_state(tmp_path, "k" * 32, state="running", pid=proc.pid, units=1)
+    trace = b"the entry's trace"
+    write_state(tmp_path, "k" * 32, state="running", pid=proc.pid, units=1, torch=torch.__version__,
+                trace_sha=hashlib.sha256(trace).hexdigest())
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped: running() reaps it
     from piecegraph.cache.packaging import running
 
@@ -282,3 +284,7 @@ def test_a_worker_that_dies_by_a_signal_is_named_so_in_its_state(tmp_path):
     state = read_state(tmp_path, "k" * 32)
     assert (state["state"], state["why"], state["units"]) == (
         "failed", f"the worker ended by {signal.SIGSEGV.name} before its last word", 1), state
+    # The next start of the same trace does not start a worker that would crash again, and says what packages
+    line, busy = start_worker(tmp_path, "k" * 32, trace, _failing_plan())
+    assert not busy and "SIGSEGV" in line and "Config(aot_background=False)" in line, line
+    assert read_state(tmp_path, "k" * 32)["pid"] == proc.pid  # no worker started
