@@ -112,6 +112,27 @@ def ended_silently(root: str | Path, key: str, state: dict[str, Any]) -> bool:
     return state.get("state") in BUSY and not running(root, key)
 
 
+NATIVE_CRASHES = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # not SIGKILL: the OOM killer, a user
+
+
+def native_crash(state: dict[str, Any]) -> bool:
+    """Whether ``state`` is of a worker that crashed in native code (ended by one of :data:`NATIVE_CRASHES`)."""
+    why = str(state.get("why") or "")
+    return state.get("state") == "failed" and any(f"ended by {name} " in why for name in NATIVE_CRASHES)
+
+
+def crashed_worker(root: str | Path, torch_version: str) -> dict[str, Any] | None:
+    """The last state of a worker under ``root`` that crashed in native code with this torch, or ``None``. A
+    worker of another entry would likely crash the same way: on the H200 with torch 2.11, torch's package loader
+    crashed every worker, whatever the entry."""
+    folder = Path(root) / FOLDER
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        state = read_state(root, path.stem) or {}
+        if native_crash(state) and state.get("torch") == torch_version:
+            return state
+    return None
+
+
 def forget_failures(root: str | Path) -> list[str]:
     """Forget every packaging job under ``root`` that failed (or whose worker died without a word), so the next
     start of its entry packages again; entries and compiled code are kept. The keys forgotten."""
