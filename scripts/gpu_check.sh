@@ -18,7 +18,9 @@
 # (first JIT, cold, warm) and checks the graph memory estimate; "swap-bench" serves an engine whose full module
 # was compiled by pieces, before and after the whole graph's package is swapped in (scripts/swap_bench.py); "startup-engine" times an engine's starts (scripts/engine_start.py: first JIT,
 # cold, warm, and cold with the engine's defaults); "startup-aot" times starts from AOTInductor packages
-# (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "aoti-probe" packages a block with AOTInductor and loads it
+# (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "loader-probe" packages one decode unit in a setup and by the
+# background worker and loads each in fresh processes (scripts/package_load_probe.py: the worker's SIGSEGV on the H200);
+# "aoti-probe" packages a block with AOTInductor and loads it
 # in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
 # shape (scripts/profile_serve_step.py; PROFILE_MODE picks the engine mode, default auto); "api-profile" lists the CUDA
@@ -287,6 +289,12 @@ if has swap-bench; then  # issue 24: one engine's decode on the pieces' program,
   tail -1 "$OUT/swap_bench.log"
   cat /tmp/pg-swap/packaging/*.log >"$OUT/swap_bench_packaging.log" 2>/dev/null || true
   rm -rf /tmp/pg-swap
+fi
+if has loader-probe; then  # issue 24: why the worker's packages crash torch's package loader (stop 46)
+  FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME} timeout 1500 python3 scripts/package_load_probe.py \
+    /tmp/pg-loader-probe >"$OUT/loader_probe.log" 2>&1
+  cp /tmp/pg-loader-probe/probe.json "$OUT/loader_probe.json" 2>/dev/null; tail -c 3000 "$OUT/loader_probe.log"
+  rm -rf /tmp/pg-loader-probe
 fi
 if has aoti-probe; then  # issue 24: a packaged piece loaded and run (and graph-replayed) without Dynamo or Inductor
   python3 scripts/aoti_warm_probe.py "$OUT/aoti" cuda 2>&1 | grep -v "Warning\|return cls" | tee "$OUT/aoti_warm_probe.log"
