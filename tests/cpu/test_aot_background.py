@@ -266,9 +266,10 @@ def test_a_unit_calling_a_collective_is_not_packaged():
         describe_unit(traced, [torch.zeros(4, 3)], False, "unit0.pt2")
 
 
-def test_a_worker_that_dies_by_a_signal_is_named_so_in_its_state(tmp_path):
+def test_a_worker_that_dies_by_a_signal_is_named_so_and_no_worker_starts_again_with_that_torch(tmp_path):
     """The start that launched a worker and sees it end before its last word (a crash in native code, the kernel's
-    out-of-memory killer) writes how it ended into the job's state: "failed", naming the signal."""
+    out-of-memory killer) writes how it ended into the job's state: "failed", naming the signal. After a crash in
+    native code no start with that torch starts a worker for any entry of the cache until the crash is forgotten."""
     import signal
     import subprocess
     import sys
