@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 import typer
 
 from piecegraph.cache.packaging import (
     FOLDER,
+    crashed_worker,
     ended_silently,
     forget_failures,
     job_path,
@@ -50,12 +52,18 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
         if job and ended_silently(root, row["key"], job):
             job["state"] = "ended without a word (see its log)"
     parts = {name: _folder_bytes(root / name) for name in ("entries", "inductor", "flashinfer")}
+    crashed = crashed_worker(root, torch.__version__)
     if as_json:
-        typer.echo(json.dumps({"dir": str(root), "entries": rows, "bytes": parts}, indent=1, default=str))
+        typer.echo(json.dumps({"dir": str(root), "entries": rows, "bytes": parts, "workers_suspended_by": crashed},
+                              indent=1, default=str))
         return
     typer.echo(f"piecegraph cache: {root} ({'absent' if not root.exists() else _mib(sum(parts.values()))})")
     for name, size in parts.items():
         typer.echo(f"  {name + '/':12} {_mib(size)}")
+    if crashed:
+        typer.echo(f"  no background packaging with torch {torch.__version__}: a worker crashed in native code "
+                   f"({crashed.get('why')}; entry {crashed.get('key')}); `piecegraph cache clear --failed-packaging` "
+                   "lets workers try again; Config(aot_background=False) packages in the setup instead")
     for row in rows:
         age = f"{(time.time() - row['created']) / 3600:.1f} h old" if row["created"] else "no manifest"
         state = "" if row["complete"] else " INCOMPLETE (rebuilt on next use)"

@@ -291,6 +291,8 @@ def test_a_worker_that_dies_by_a_signal_is_named_so_and_no_worker_starts_again_w
         line, busy = start_worker(tmp_path, key, trace, _failing_plan())
         assert not busy and "SIGSEGV" in line and "Config(aot_background=False)" in line, line
     assert read_state(tmp_path, "k" * 32)["pid"] == proc.pid and read_state(tmp_path, "o" * 32) is None
+    shown = CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path)]).output
+    assert f"no background packaging with torch {torch.__version__}: a worker crashed" in shown, shown
     # Another torch, or the crash forgotten: workers start again
     def crashed_with(version: str) -> None:
         state = {k: v for k, v in read_state(tmp_path, "k" * 32).items() if k not in ("key", "updated")}
