@@ -80,7 +80,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 status=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-if has startup || has startup-aot || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
+if has startup || has startup-aot || has startup-engine || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
   # the packages a start imports, found without importing them (the site folders hold many more)
   dirs=$(python3 -c "
 import importlib.util as u
