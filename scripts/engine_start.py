@@ -29,7 +29,7 @@ def main(cache_dir: str) -> None:
     import piecegraph  # noqa: F401  (its import is timed on its own, as start_once.py does)
 
     t_pg = time.perf_counter()
-    from piecegraph.attention import flashinfer_available
+    from piecegraph.cli_common import resolve_attention
     from piecegraph.models import QWEN2_5_0_5B, TINY, Decoder
     from piecegraph.serve import Engine, EngineConfig
 
@@ -37,7 +37,7 @@ def main(cache_dir: str) -> None:
     shape = TINY if env("PIECEGRAPH_START_MODEL") == "tiny" else QWEN2_5_0_5B
     cuda = env("PIECEGRAPH_START_DEVICE", "cuda") == "cuda"
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    backend = "torch" if flashinfer_available(torch.device(device)) else "flashinfer"
+    backend = resolve_attention("auto", device)
     model = Decoder.random(shape, dtype=dtype, device=device)
     if cuda:
         torch.cuda.synchronize()

@@ -17,6 +17,7 @@ from piecegraph.cache.packaging import (
     forget_failures,
     job_path,
     read_state,
+    suspension,
     wait_packaging,
 )
 from piecegraph.cache.paths import default_cache_dir, resolve_cache_dir
@@ -61,9 +62,7 @@ def info(folder: Optional[Path] = _DIR, as_json: bool = typer.Option(False, "--j
     for name, size in parts.items():
         typer.echo(f"  {name + '/':12} {_mib(size)}")
     if crashed:
-        typer.echo(f"  no background packaging with torch {torch.__version__}: a worker crashed in native code "
-                   f"({crashed.get('why')}; entry {crashed.get('key')}); `piecegraph cache clear --failed-packaging` "
-                   "lets workers try again; Config(aot_background=False) packages in the setup instead")
+        typer.echo(f"  no background packaging with torch {torch.__version__}: {suspension(crashed)}")
     for row in rows:
         age = f"{(time.time() - row['created']) / 3600:.1f} h old" if row["created"] else "no manifest"
         state = "" if row["complete"] else " INCOMPLETE (rebuilt on next use)"

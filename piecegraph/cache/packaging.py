@@ -63,35 +63,37 @@ def running(root: str | Path, key: str) -> bool:
     died without a word does not count), or it holds the packaging lock."""
     state = read_state(root, key) or {}
     if state.get("state") in BUSY:
-        ended = _ended_child(state.get("pid"))
+        ended, signal_name = _ended_child(state.get("pid"))
         if ended:  # this process started it and saw it end before its last word: say how, in its state
-            kept = {k: v for k, v in state.items() if k not in ("key", "updated", "state", "why")}
-            write_state(root, key, state="failed", why=f"the worker {ended} before its last word", **kept)
+            kept = {k: v for k, v in state.items() if k not in ("key", "updated", "state", "why", "signal")}
+            write_state(root, key, state="failed", why=f"the worker {ended} before its last word", **kept,
+                        **({"signal": signal_name} if signal_name else {}))
         elif _alive(state.get("pid")):
             return True
     with held(root, key) as mine:
         return not mine
 
 
-def _ended_child(pid: Any) -> str:
-    """How our own child ``pid`` ended ("ended by SIGSEGV", "exited with code 1"), reaping it; '' while it runs,
-    when it exited with 0, or when it is not our child."""
+def _ended_child(pid: Any) -> tuple[str, str | None]:
+    """How our own child ``pid`` ended ("ended by SIGSEGV", "exited with code 1") and the signal's name if one
+    ended it, reaping it; ('', None) while it runs, when it exited with 0, or when it is not our child."""
     import signal
 
     if not isinstance(pid, int):
-        return ""
+        return "", None
     try:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return ""
+        return "", None
     if done != pid:
-        return ""
+        return "", None
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
         name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else str(number)
-        return f"ended by {name}"
+        return f"ended by {name}", name
     code = os.WEXITSTATUS(status)
-    return f"exited with code {code}" if code else ""  # 0: it said its word, or left the entry to another worker
+    # 0: it said its word, or left the entry to another worker
+    return (f"exited with code {code}" if code else ""), None
 
 
 def _alive(pid: Any) -> bool:
@@ -115,10 +117,12 @@ def ended_silently(root: str | Path, key: str, state: dict[str, Any]) -> bool:
 NATIVE_CRASHES = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # not SIGKILL: the OOM killer, a user
 
 
+INLINE_INSTEAD = "Config(aot_background=False) packages in the setup instead"
+
+
 def native_crash(state: dict[str, Any]) -> bool:
     """Whether ``state`` is of a worker that crashed in native code (ended by one of :data:`NATIVE_CRASHES`)."""
-    why = str(state.get("why") or "")
-    return state.get("state") == "failed" and any(f"ended by {name} " in why for name in NATIVE_CRASHES)
+    return state.get("state") == "failed" and state.get("signal") in NATIVE_CRASHES
 
 
 def crashed_worker(root: str | Path, torch_version: str) -> dict[str, Any] | None:
@@ -131,6 +135,14 @@ def crashed_worker(root: str | Path, torch_version: str) -> dict[str, Any] | Non
         if native_crash(state) and state.get("torch") == torch_version:
             return state
     return None
+
+
+def suspension(crashed: dict[str, Any]) -> str:
+    """What a start and ``piecegraph cache info`` say of the crash (:func:`crashed_worker`'s state) that keeps
+    workers from starting, and the two ways out."""
+    return (f"a worker crashed in native code with torch {crashed.get('torch')} ({crashed.get('why')}; entry "
+            f"{crashed.get('key')}); `piecegraph cache clear --failed-packaging` lets workers try again; "
+            f"{INLINE_INSTEAD}")
 
 
 def forget_failures(root: str | Path) -> list[str]:

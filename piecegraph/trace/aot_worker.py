@@ -30,14 +30,23 @@ from typing import Any, Callable
 
 import torch
 
-from ..cache.packaging import crashed_worker, held, job_path, native_crash, read_state, running, write_state
+from ..cache.packaging import (
+    INLINE_INSTEAD,
+    crashed_worker,
+    held,
+    job_path,
+    native_crash,
+    read_state,
+    running,
+    suspension,
+    write_state,
+)
 from ..cache.session import TRACE, inductor_dir
 from ..cache.store import Store
 from .aot_job import UnitJob, op_modules, package_unit
 from .aot_package import PROGRAM_FILE, PackagedPlan
 
 log = logging.getLogger("piecegraph")
-_INSTEAD = "; Config(aot_background=False) packages in the setup instead"
 
 
 @dataclass
@@ -65,12 +74,10 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
             and "OutOfMemoryError" not in str(before.get("why")):
         return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
                 f"{job_path(root, key, '.log')}); `piecegraph cache clear --failed-packaging` makes it try "
-                f"again{_INSTEAD if native_crash(before) else ''}"), False
+                f"again{'; ' + INLINE_INSTEAD if native_crash(before) else ''}"), False
     crashed = crashed_worker(root, torch.__version__)
     if crashed is not None:  # once per cache and torch, not once per entry: each worker compiles for a minute
-        return (f"not packaged: a background worker of this cache crashed in native code with this torch "
-                f"({crashed.get('why')}; entry {crashed.get('key')}); `piecegraph cache clear --failed-packaging` "
-                f"lets workers try again{_INSTEAD}"), False
+        return f"not packaged: background packaging of this cache is off: {suspension(crashed)}", False
     modules = op_modules(job.graph for job in plan.jobs)
     job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
     path = job_path(root, key, ".job", make=True)
