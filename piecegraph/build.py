@@ -154,12 +154,13 @@ def trace_snapshot(graph: GraphSnapshot | None, binding: Binding | None, model: 
 
 def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, runners: list[FlatRunner],
                verify_sizes: float | None = None, startup: Startup | None = None,
-               packages: PackageRecorder | None = None) -> Binding:
+               packages: PackageRecorder | None = None, offered: Any = None) -> Binding:
     """The program of ``snapshot`` built without Dynamo (its graph restored, split and compiled as a trace
     would be) and bound to ``model``; its runner is appended to ``runners`` and captures at once (no trace
     call). ``LookupError`` when the model's tensors are not those snapshotted, its plain attributes or a source
     file the trace came from changed (what Dynamo's guards would have caught); the caller traces anew then.
-    ``packages``: as :func:`trace_model`'s."""
+    ``packages``: as :func:`trace_model`'s. ``offered``: another program's compiled pieces, taken where they are
+    this program's (see trace/handover.py and :func:`~piecegraph.trace.backend.build_program`)."""
     startup = startup or Startup()
     start = time.perf_counter()
     binding = _check_and_bind(model, snapshot)
@@ -167,7 +168,7 @@ def load_trace(model: torch.nn.Module, snapshot: TraceSnapshot, config: Config, 
     memory = graph_memory(gm, config)  # in trace_s, as a traced start counts it
     startup.trace_s += time.perf_counter() - start
     start = time.perf_counter()
-    program = build_program(gm, fakes, config, packages)
+    program = build_program(gm, fakes, config, packages, offered)
     startup.compile_s += time.perf_counter() - start
     return _bound_runner(program, config, verify_sizes, memory, binding, runners)
 

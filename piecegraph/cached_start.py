@@ -137,13 +137,18 @@ class CachedStart:
         return True
 
     def _build_from(self, snapshot_of: Callable[[], TraceSnapshot], what: str) -> bool:
-        """Build and bind the program of a traced program's snapshot without Dynamo; False (and a warning
-        naming ``what``) when it does not fit this model."""
+        """Build and bind the program of a traced program's snapshot without Dynamo; False (and a warning naming
+        ``what``) when it does not fit this model. With :meth:`trace_from`, a full graph compiled by pieces takes
+        the source module's compiled pieces where they are this program's (trace/handover.py), and
+        ``stats()["startup"]["pieces"]`` says ``"shared"``."""
+        source = self._trace_source
+        offered = source.runner.program.offered if source is not None and source._runners else None
         try:
             snapshot = snapshot_of()
             config = self.config.replace(static_inputs=snapshot.static_inputs)
             built, verify = piecewise_config(config) if config.mode == "auto" else (config, None)
-            binding = load_trace(self.model, snapshot, built, self._runners, verify, self._startup, self._packages)
+            binding = load_trace(self.model, snapshot, built, self._runners, verify, self._startup, self._packages,
+                                 offered)
         except Exception as err:  # noqa: BLE001  (never load what does not fit: trace anew, and say so)
             log.warning("%s could not be used (%s: %s); tracing anew", what, type(err).__name__, err)
             self._reset()
@@ -151,6 +156,8 @@ class CachedStart:
         self.config, self._binding, self._compiled = config, binding, self.runner
         self._weights.bind(binding)
         self._snapshot = snapshot if self._shares_trace else None
+        if self.runner.program.took_pieces:
+            self._startup.cache["pieces"] = "shared"
         return True
 
     def _keep_trace(self, entry: CacheEntry, snapshots: list | None) -> None:

@@ -100,6 +100,10 @@ class Program:
     token_mixing: list[Any] = field(default_factory=list)  # ops that make padding unsafe (trace/mixing.py)
     mutated_inputs: list[int] = field(default_factory=list)  # inputs the program writes in place
     static_compile_s: float = 0.0  # seconds of the extra static compiles (Config.compile_sizes)
+    # trace/handover.py: the compiled pieces this program offers a program cut from the same trace (offered), and
+    # whether this one took another's instead of compiling (took_pieces)
+    offered: Any = None
+    took_pieces: bool = False
     # Programs over an eager model (breakable) whose buffers are not inputs: keeps them across extra runs.
     keep_state: Callable[[], ContextManager[None]] | None = None
 

@@ -68,7 +68,8 @@ class EngineConfig:
         share_trace: auto's full module builds its program from the piecewise module's Dynamo trace
             (``GraphedModule.trace_from``) instead of tracing the model a second time (3.7 s of the 0.5B start);
             where that trace cannot be shared it traces as before. With ``full_compile="pieces"`` the full module
-            set up in 2.3 s instead of 25.7 on CPU. Both off by default until a GPU serve-bench times their steps
+            takes the piecewise module's compiled pieces too (``piecegraph/trace/handover.py``): it set up in 1.7 s
+            instead of 25.7 on CPU. Both off by default until a GPU serve-bench times their steps
             (its ``auto-pieces`` row sets both).
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).

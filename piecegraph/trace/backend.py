@@ -16,6 +16,7 @@ from ..ops.split import split_op_names
 from ..program import CaptureState, InputKind, PieceInfo, Program
 from .aot_load import bind_pieces
 from .aot_package import PackageRecorder
+from .handover import CompiledPieces, cut_fingerprint, offer, take
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
 from .same_pieces import piece_key
@@ -233,12 +234,15 @@ def _static_sizes(config: Config, token_symbols: Any, works_along_tokens: bool) 
 
 
 def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
-                  packages: PackageRecorder | None = None) -> Program:
+                  packages: PackageRecorder | None = None, offered: CompiledPieces | None = None) -> Program:
     """Split ``gm`` (mode piecewise / none) or keep it whole (mode full), compile, and wrap pieces for capture.
 
     ``example_inputs`` are what Dynamo hands a backend. Every compiled piece is compiled once, for the symbolic
     token count, under the fake mode of the trace. ``packages``: compile by AOTInductor packages where the
-    program allows (see trace/aot_package.py). Returns a :class:`Program`; nothing is captured yet.
+    program allows (see trace/aot_package.py). ``offered``: another program's compiled pieces (its
+    ``Program.offered``, trace/handover.py), which ``mode="full"`` compiled by pieces takes instead of compiling
+    when its cut is the same program (``Program.took_pieces``). Returns a :class:`Program`; nothing is captured
+    yet; a piecewise program offers its compiled pieces in ``Program.offered``.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds, sym, names, caller = _classify_inputs(placeholders, config.token_dim)
@@ -268,6 +272,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     static_sizes = _static_sizes(config, sym, bool(found))
     if packages is not None:
         _refuse_packages(packages, config, sym, static_sizes, written)
+    offers, took = None, False
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
@@ -275,7 +280,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
             if packages is not None:  # in the background (else refused): the worker packages the whole graph,
                 with fake_mode:  # so a warm start runs it fused across the split ops, as full_compile="whole"
                     packages.compile(gm, fake_args, has_split_op=True)
-            fn = _compiled_by_pieces(gm, fake_args, fake_mode, config, sym)
+            fn, took = _compiled_by_pieces(gm, fake_args, fake_mode, config, sym, offered)
             if packages is not None:
                 packages.compiled(fn)
         else:
@@ -289,8 +294,10 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
         if packages is not None:
             packages.keep_skeleton(split_gm, infos)
+        fingerprint = cut_fingerprint(split_gm, infos, fake_args)  # before compiling: Inductor rewrites pieces
         compiled, statics, static_s = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, sym,
                                                       static_sizes, packages)
+        offers = offer(fingerprint, config.compiler, compiled)
         graphed = {info.name: GraphedPiece(info.name, compiled[info.name], state, statics.get(info.name), measure)
                    for info in infos if info.name in compiled}
         call = bind_pieces(split_gm, infos, graphed)
@@ -310,6 +317,8 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         token_mixing=mixing,
         mutated_inputs=written,
         static_compile_s=static_s,
+        offered=offers,
+        took_pieces=took,
     )
 
 
@@ -329,13 +338,20 @@ def _refuse_packages(packages: PackageRecorder, config: Config, token_symbols: A
 
 
 def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mode: Any, config: Config,
-                        token_symbols: Any) -> Callable[..., Any]:
+                        token_symbols: Any, offered: CompiledPieces | None) -> tuple[Callable[..., Any], bool]:
     """``gm`` as ``Config(full_compile="pieces")`` compiles it for a full graph: cut at the split ops, each piece
-    compiled as piecewise compiles it (identical pieces once), and the whole run as one plain function that the
-    one :class:`GraphedPiece` of ``mode="full"`` captures, split ops included. Same inputs and outputs as ``gm``."""
+    compiled as piecewise compiles it (identical pieces once), or taken from ``offered`` when that is the same cut
+    (trace/handover.py), and the whole run as one plain function that the one :class:`GraphedPiece` of
+    ``mode="full"`` captures, split ops included. Same inputs and outputs as ``gm``; also whether it took them."""
     split_gm, infos = split_graph(gm, split_op_names(config.split_ops))
+    compiled = take(offered, split_gm, infos, fake_args, config.compiler)
+    if compiled is not None:
+        log.info("piecegraph: the full graph's pieces are the piecewise program's, compiled once for both")
+        return bind_pieces(split_gm, infos, compiled), True
+    if offered is not None:
+        log.info("piecegraph: the full graph's cut differs from the offered program's; compiling its pieces")
     compiled, _, _ = _compile_pieces(split_gm, infos, fake_args, fake_mode, config, token_symbols, ())
-    return bind_pieces(split_gm, infos, compiled)
+    return bind_pieces(split_gm, infos, compiled), False
 
 
 def placeholder_facts(gm: torch.fx.GraphModule) -> tuple[list[Any], list[str], list[bool]]:

@@ -19,9 +19,17 @@ import torch
 def piece_key(gm: torch.fx.GraphModule, fake_args: list[Any]) -> tuple | None:
     """What decides ``gm``'s compiled code for ``fake_args``, as a hashable value; ``None`` when part of it is
     state the key cannot compare by value (then the piece is compiled on its own)."""
-    inputs = tuple(_input_key(a) for a in fake_args)
+    inputs = tuple(input_key(a) for a in fake_args)
     if any(k is None for k in inputs):
         return None
+    nodes = graph_key(gm)
+    return None if nodes is None else (inputs, nodes)
+
+
+def graph_key(gm: torch.fx.GraphModule) -> tuple | None:
+    """``gm``'s graph node for node (ops, targets by identity, constant arguments, wiring, placeholders by
+    position), as a hashable value; ``None`` when it holds state the key cannot compare by value (a ``get_attr``
+    constant, a submodule, a tensor inside a node's arguments)."""
     index: dict[torch.fx.Node, int] = {}
     nodes = []
     for node in gm.graph.nodes:
@@ -35,10 +43,12 @@ def piece_key(gm: torch.fx.GraphModule, fake_args: list[Any]) -> tuple | None:
         if args is None:
             return None
         nodes.append((node.op, _target_key(node.target), args))
-    return inputs, tuple(nodes)
+    return tuple(nodes)
 
 
-def _input_key(value: Any) -> tuple | None:
+def input_key(value: Any) -> tuple | None:
+    """A graph input's part of a key: a tensor's dtype, device, sizes and strides (symbols by name) and kind; a
+    number by value; ``None`` for anything else (not comparable by value)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, str(value.device), tuple(str(s) for s in value.shape),
                 tuple(str(s) for s in value.stride()), value.requires_grad, type(value).__name__)

@@ -50,6 +50,8 @@ def test_an_engine_starts_cold_on_one_shared_trace_then_warm_from_its_entries_wi
     assert {k: m["startup"]["trace"] for k, m in cold["modules"].items()} == {"piecewise": "traced", "full": "shared"}
     assert {k: m["startup"]["trace"] for k, m in warm["modules"].items()} == {"piecewise": "loaded", "full": "loaded"}
     assert all(m["startup"]["cache"] == "warm" for m in warm["modules"].values())
+    # The full module compiles by pieces and takes the piecewise module's (trace/handover.py), cold and warm
+    assert cold["modules"]["full"]["startup"]["pieces"] == warm["modules"]["full"]["startup"]["pieces"] == "shared"
     model = Decoder.random(TINY, dtype=torch.float32)
     prompts = [[(7 * i + j) % TINY.vocab_size for j in range(5 + 3 * i)] for i in range(4)]
     want = generate(model, prompts, len(cold["tokens"][0]))
