@@ -47,7 +47,8 @@ class Startup:
     traces and automatic opaque's probe runs, none of it in trace or compile) and the whole setup; and what the
     artifact cache did (``cache``: filled by :func:`piecegraph.cache.compile_cache`); and FlashInfer's JIT builds
     (``jit``: :func:`piecegraph.adapters.jit_clock.jit_builds`, whose seconds are also inside the stage that
-    ran them, mostly prewarm). Accumulates over retraces and recompiles."""
+    ran them, mostly prewarm); and torch's own timers of its compile regions (``compile_regions``). Accumulates
+    over retraces and recompiles."""
 
     compiler_import_s: float = 0.0  # importing Dynamo and Inductor, the first setup in a process pays it
     prewarm_s: float = 0.0
@@ -57,6 +58,8 @@ class Startup:
     setup_s: float = 0.0
     cache: dict[str, Any] = field(default_factory=lambda: {"cache": "off"})
     jit: list[JitBuild] = field(default_factory=list)  # FlashInfer's ninja runs in setup and capture, each stage's too
+    # torch's own timed compile regions inside the setup, the longest (trace/compile_clock.py): name -> seconds
+    compile_regions: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

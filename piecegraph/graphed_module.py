@@ -50,6 +50,7 @@ from .ops.split import split_op_names
 from .program import TokenCountMismatch, check_token_dim, kept_buffers
 from .runner import FlatRunner
 from .trace.aot_package import PackageRecorder
+from .trace.compile_clock import compile_regions
 from .weights import WeightWatch
 
 log = logging.getLogger("piecegraph")
@@ -184,7 +185,8 @@ class GraphedModule(CachedStart, PackagedUpgrade, torch.nn.Module):
         split_op_names(self.config.split_ops)  # a misspelt split op fails here, in plain words, not inside Dynamo
         self._startup = Startup()
         start = time.perf_counter()
-        with jit_builds() as builds, compile_cache(self.model, values, self.config, self._startup.cache) as entry:
+        with jit_builds() as builds, compile_regions(self._startup.compile_regions), \
+                compile_cache(self.model, values, self.config, self._startup.cache) as entry:
             self._setup_stages(values, entry)
             publish_packages(self._packages, self._runners, self._trace_fixes is None, entry, self._startup.cache)
             self._packages = None
@@ -362,7 +364,8 @@ class GraphedModule(CachedStart, PackagedUpgrade, torch.nn.Module):
                 "setup_s": s.setup_s, "capture_s": capture, "ready_s": s.setup_s + capture,
                 **jit_summary(s.jit), "num_sizes": len(stats["capture_s"]), "pool_bytes": stats["pool_bytes"],
                 "pool_estimate_bytes": stats.get("graph_memory", {}).get("pool_estimate_bytes"),
-                "pool_measured_bytes": stats.get("graph_memory", {}).get("pool_measured_bytes"), **s.cache}
+                "pool_measured_bytes": stats.get("graph_memory", {}).get("pool_measured_bytes"),
+                "compile_regions": dict(s.compile_regions), **s.cache}
 
 
 def _start_compile_pool() -> None:

@@ -52,6 +52,13 @@ def test_an_engine_starts_cold_on_one_shared_trace_then_warm_from_its_entries_wi
     assert all(m["startup"]["cache"] == "warm" for m in warm["modules"].values())
     # The full module compiles by pieces and takes the piecewise module's (trace/handover.py), cold and warm
     assert cold["modules"]["full"]["startup"]["pieces"] == warm["modules"]["full"]["startup"]["pieces"] == "shared"
+    # torch's own timers (trace/compile_clock.py): the cold piecewise module ran Inductor's compile, inside its
+    # setup; the full module that took its pieces, and every warm module, compiled nothing
+    regions = {(start, k): m["startup"]["compile_regions"] for start, run in (("cold", cold), ("warm", warm))
+               for k, m in run["modules"].items()}
+    piecewise = cold["modules"]["piecewise"]["startup"]
+    assert 0 < regions["cold", "piecewise"]["compile_fx_inner"] <= piecewise["setup_s"], regions
+    assert all("compile_fx_inner" not in r for key, r in regions.items() if key != ("cold", "piecewise")), regions
     model = Decoder.random(TINY, dtype=torch.float32)
     prompts = [[(7 * i + j) % TINY.vocab_size for j in range(5 + 3 * i)] for i in range(4)]
     want = generate(model, prompts, len(cold["tokens"][0]))
