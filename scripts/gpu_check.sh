@@ -17,7 +17,8 @@
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
 # (first JIT, cold, warm) and checks the graph memory estimate; "swap-bench" serves an engine whose full module
 # was compiled by pieces, before and after the whole graph's package is swapped in (scripts/swap_bench.py); "startup-engine" times an engine's starts (scripts/engine_start.py: first JIT,
-# cold, warm, and cold with the engine's defaults); "startup-aot" times starts from AOTInductor packages
+# cold, warm, and cold with the engine's defaults); "startup-hf" does the same for piecegraph.hf (scripts/hf_start.py: a
+# transformers Qwen2 of the 0.5B shape, Session(capture=True): first JIT, cold, warm); "startup-aot" times starts from AOTInductor packages
 # (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "loader-probe" packages one decode unit in a setup and by the
 # background worker and loads each in fresh processes (scripts/package_load_probe.py: the worker's SIGSEGV on the H200);
 # "aoti-probe" packages a block with AOTInductor and loads it
@@ -80,7 +81,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 status=0
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-if has startup || has startup-aot || has startup-engine || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
+if has startup || has startup-aot || has startup-engine || has startup-hf || has startup-profile || [ -n "${PRECOMPILE:-}" ]; then  # bytecode, as an installed torch has
   # the packages a start imports, found without importing them (the site folders hold many more)
   dirs=$(python3 -c "
 import importlib.util as u
@@ -281,6 +282,23 @@ if has startup-engine; then  # issue 24's targets, for the engine itself: one sh
   engine warm /tmp/pg-engine
   AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults, no packages
   rm -rf /tmp/pg-engine-first /tmp/pg-engine /tmp/pg-engine-plain
+fi
+if has startup-hf; then  # issue 24's targets through piecegraph.hf: a transformers Qwen2, Session(capture=True)
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
+  hfstart() {  # $1: name, $2: cache folder; AOT: aot_package (scripts/hf_start.py)
+    PIECEGRAPH_START_AOT=${AOT:-} timeout 420 python3 scripts/hf_start.py "$2" >"$OUT/hf_start_$1.json" \
+      2>"$OUT/hf_start_$1.err"
+    echo "hf start $1 rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['ready_s'], 2), \
+      {k: (m['startup']['cache'], m['startup']['trace'], m['startup'].get('pieces'), m['startup'].get('aot'), \
+      round(m['startup']['ready_s'], 2)) for k, m in r['modules'].items()}, r['tokens_equal_transformers'])" \
+      "$OUT/hf_start_$1.json" 2>&1 | tail -1)"
+    cat "$2"/packaging/*.log >"$OUT/hf_start_$1_packaging.log" 2>/dev/null || true
+  }
+  AOT=0 hfstart jit_first /tmp/pg-hf-first  # FlashInfer's kernels built here: the starts below do not build
+  hfstart cold /tmp/pg-hf
+  python3 -m piecegraph.cli cache wait --dir /tmp/pg-hf --timeout 300 >"$OUT/hf_start_wait.log" 2>&1
+  hfstart warm /tmp/pg-hf
+  rm -rf /tmp/pg-hf-first /tmp/pg-hf
 fi
 if has swap-bench; then  # issue 24: one engine's decode on the pieces' program, then on the whole graph's package
   rm -rf /tmp/pg-swap && timeout 900 python3 scripts/swap_bench.py "$OUT/swap_bench.json" /tmp/pg-swap \

@@ -17,7 +17,7 @@ from piecegraph.config import Config, default_capture_sizes
 from piecegraph.graphed_module import GraphedModule
 from piecegraph.graphs.capture import GraphPool
 from piecegraph.hf.model import HFDecoder
-from piecegraph.models.generate import device_dtype, greedy_loop, stop_ids
+from piecegraph.models.generate import device_dtype, dummy_inputs, greedy_loop, stop_ids
 
 MODES = ("graphs", "none", "eager")
 
@@ -49,16 +49,26 @@ class Session:
     ``"eager"`` (the wrapped model as it is). ``prefill_tokens`` is the largest captured prefill (larger ones
     run the compiled pieces without graphs). ``backend`` is the KV cache's attention backend (``auto``:
     FlashInfer on a GPU that has it, for bf16/fp16); a backend the model's layers cannot use is refused naming
-    its model type. Every other keyword is a :class:`piecegraph.Config` field of both compiled modules
+    its model type. ``share_trace``: the decode module builds its program from the prefill module's Dynamo trace
+    (``GraphedModule.trace_from``) instead of tracing the model again, and with ``full_compile="pieces"`` takes
+    its compiled pieces too (``piecegraph/trace/handover.py``). ``capture``: trace, compile and capture every
+    prefill and then every decode size now, as an engine's start does (``mode="graphs"`` only), so that
+    construction holds the whole start-up cost (each module's ``stats()["startup"]``) and no ``generate`` call
+    captures; by default each size is captured at its first use. Every other keyword is a
+    :class:`piecegraph.Config` field of both compiled modules
     (a mixture of experts on ``grouped_mm`` / ``batched_mm`` defaults to ``token_mixing="pad"``: those experts
     are row-wise, so padded calls replay graphs of every capture size). :meth:`close` (or the end of a ``with``
     block) gives back a model the session wrapped itself as it was, and frees the graphs and the cache.
     """
 
     def __init__(self, model: Any, *, max_seqs: int, max_len: int, mode: str = "graphs",
-                 prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, **options: Any) -> None:
+                 prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, share_trace: bool = False,
+                 capture: bool = False, **options: Any) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if capture and mode != "graphs":
+            raise ValueError(f"capture=True captures CUDA graphs, which mode={mode!r} has none of; use "
+                             "mode='graphs' or leave capture off")
         self._own_wrapper = not isinstance(model, HFDecoder)
         self.model = wrap(model)
         self.closed = False
@@ -85,6 +95,15 @@ class Session:
                                                               max_tokens=prefill_tokens))
         self.decode = GraphedModule(self.model, base.replace(mode="full" if graphs else "none",
                                                              capture_sizes=default_capture_sizes(max_seqs)))
+        if share_trace:  # the prefill module sets up first (generate's prefill, or the captures below)
+            self.decode.trace_from(self.prefill)
+        if capture:
+            try:
+                for module in (self.prefill, self.decode):
+                    module.capture(lambda n: dummy_inputs(self.model.config, self.cache, n))
+            except BaseException:
+                self.close()
+                raise
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

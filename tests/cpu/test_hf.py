@@ -124,6 +124,27 @@ def test_greedy_tokens_equal_hf_generate(model_type, mode):
     assert [hf_greedy(model, p) for p in PROMPTS] == expected  # the model's own generate is unchanged
 
 
+def test_a_session_can_capture_every_size_at_once_on_one_shared_trace():
+    """``Session(capture=True, share_trace=True)``: construction traces once (the decode module builds from the
+    prefill module's trace), captures every prefill and decode size, and ``generate`` then captures nothing and
+    gives Hugging Face's own greedy tokens. ``capture`` without graphs is refused, naming the argument."""
+    model = tiny("qwen2", seed=1)
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    with pghf.Session(model, max_seqs=len(PROMPTS), max_len=32, prefill_tokens=32, compiler="eager",
+                      backend="torch", emulate_graphs=True, share_trace=True, capture=True) as session:
+        captured = {name: set(module.stats()["capture_s"]) for name, module in
+                    (("prefill", session.prefill), ("decode", session.decode))}
+        assert captured == {"prefill": set(session.prefill.config.sizes), "decode": set(session.decode.config.sizes)}
+        assert session.decode.stats()["startup"]["trace"] == "shared"
+        assert session.generate(PROMPTS, NEW) == expected
+        assert {name: set(module.stats()["capture_s"]) for name, module in
+                (("prefill", session.prefill), ("decode", session.decode))} == captured
+        assert session.decode.stats()["replays"] > 0
+    with pytest.raises(ValueError, match="capture=True captures CUDA graphs, which mode='none' has none of"):
+        pghf.Session(model, max_seqs=1, max_len=32, mode="none", backend="torch", capture=True)
+    assert [hf_greedy(model, p) for p in PROMPTS] == expected
+
+
 def test_generation_stops_at_eos_and_keeps_it():
     model = tiny("llama", seed=2)
     free_run = hf_greedy(model, PROMPTS[0], eos_token_id=-1)
