@@ -6,20 +6,33 @@ setup (``aot_background=False``) and by the background worker, and each package 
 - ``op+flashinfer``: that and FlashInfer (a warm start has imported it before it loads packages);
 - under ``cuda-gdb`` (where it is installed), the first load that crashed, for its native backtrace.
 
+Then, should the build be what differs, the worker's job (copied as the start hands it over) is packaged again in
+fresh processes, each built one way and loaded in another fresh process: ``grad`` (grad mode on, as the worker built
+until stop 47), ``no_grad`` (as a setup's inline packaging, inside a module's call, and the worker now build),
+``pydispatch`` (under the Python dispatcher, as a setup packages a piecewise program's pieces: while piecegraph's
+compiler propagates fake values), ``fresh_cache`` (an empty Inductor cache instead of the entry's, which the setup's
+compile filled). And the packages' text files (the generated C++ wrapper, its JSON) are compared, the inline package's
+against each other's (``OUTDIR/diff_*.txt``, with their file lists in the JSON).
+
     python scripts/package_load_probe.py OUTDIR
 
 Prints one JSON line and writes it to OUTDIR/probe.json: each start's ``aot`` line and the worker's state, each load's
-return code (-11 or 139: SIGSEGV) and last line, and the backtrace's frames. PIECEGRAPH_PROBE_DEVICE=cpu makes a dry
-run (the torch attention backend, graphs emulated: every load should succeed there).
+return code (-11 or 139: SIGSEGV) and last line, each variant's build, and the backtrace's frames.
+PIECEGRAPH_PROBE_DEVICE=cpu makes a dry run (the torch attention backend, graphs emulated: every load should succeed
+there).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import pickle
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 OP_MODULE = "piecegraph.attention.op"
@@ -44,6 +57,10 @@ def start(root: str, inline: bool) -> None:
     module = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4), cache_dir=root, aot_package=True,
                                 aot_background=not inline, full_compile="whole", emulate_graphs=not cuda)
     module.capture(lambda n: dummy_inputs(model, cache, n))
+    jobs = Path(root) / "jobs"  # the worker's job, kept for the builds below (the worker deletes it when it ends)
+    for job in Path(root).glob("packaging/*.job"):
+        jobs.mkdir(exist_ok=True)
+        shutil.copy(job, jobs / job.name)
     states = {} if inline else wait_packaging(root, timeout=300)
     print(json.dumps({"aot": module.stats()["startup"].get("aot"), "states": states}, default=str))
 
@@ -62,6 +79,63 @@ def load(modules: str, package: str) -> None:
         torch.cuda.synchronize()
     torch._C._aoti.AOTIModelPackageLoader(package, "model", True, 1, index)
     print("loaded")
+
+
+def build(variant: str, job_file: str, folder: str) -> None:
+    """Child: package the first unit of the worker's job as ``variant`` says, without loading it."""
+    import contextlib
+    import importlib
+    import tempfile
+
+    if variant == "fresh_cache":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="probe-inductor-")
+    header, payload = pickle.loads(Path(job_file).read_bytes())
+    for name in header["modules"]:
+        importlib.import_module(name)
+    import torch
+    from torch._dispatch.python import enable_python_dispatcher
+
+    from piecegraph.cache.session import inductor_dir
+    from piecegraph.trace.aot_job import build_package
+
+    unit = pickle.loads(payload).units[0]
+    where = contextlib.nullcontext() if variant == "fresh_cache" else inductor_dir(Path(header["root"]))
+    with where, enable_python_dispatcher() if variant == "pydispatch" else contextlib.nullcontext(), \
+            torch.set_grad_enabled(variant == "grad"):
+        build_package(unit, Path(folder))
+    print(Path(folder) / unit.spec.file)
+
+
+def _texts(package: Path) -> dict[str, str]:
+    """The package's text members by kind (hashes in their names masked): what to compare between builds."""
+    out = {}
+    with zipfile.ZipFile(package) as z:
+        for name in z.namelist():
+            if name.endswith((".cpp", ".json", ".h")):
+                kind = re.sub(r"[0-9a-z]{20,}", "H", name)
+                out[kind] = re.sub(r"[0-9a-z]{20,}", "H", z.read(name).decode(errors="replace"))
+    return out
+
+
+def _compare(out: Path, packages: dict[str, Path | None]) -> dict:
+    """Each package's members (name -> bytes) and, per other package, how its text members differ from the
+    inline one's (lines changed, diff written to ``out/diff_NAME.txt``)."""
+    found = {how: p for how, p in packages.items() if p is not None}
+    result: dict = {"members": {how: {i.filename: i.file_size for i in zipfile.ZipFile(p).infolist()}
+                                for how, p in found.items()}}
+    if "inline" not in found:
+        return result
+    base = _texts(found["inline"])
+    for how, package in found.items():
+        if how == "inline":
+            continue
+        other, lines = _texts(package), []
+        for kind in sorted(set(base) | set(other)):
+            lines += difflib.unified_diff(base.get(kind, "").splitlines(), other.get(kind, "").splitlines(),
+                                          f"inline/{kind}", f"{how}/{kind}", lineterm="", n=1)
+        (out / f"diff_{how}.txt").write_text("\n".join(lines[:4000]) + "\n")
+        result[f"changed_lines_{how}"] = sum(1 for line in lines if line[:1] in "+-" and line[:3] not in "+++---")
+    return result
 
 
 def _run(args: list[str], timeout: float) -> dict:
@@ -103,6 +177,18 @@ def main(out_dir: str) -> None:
             crashed = isinstance(ran["rc"], int) and (ran["rc"] < 0 or ran["rc"] > 128)  # by a signal
             if crashed and first_crash is None:
                 first_crash = (imports, package)
+    jobs = sorted((out / "worker" / "jobs").glob("*.job"))
+    result["builds"] = {}
+    for variant in ("grad", "no_grad", "pydispatch", "fresh_cache") if jobs else ():
+        folder = out / "builds" / variant
+        shutil.rmtree(folder, ignore_errors=True)
+        ran = _run([*me, "build", variant, str(jobs[0]), str(folder)], 900)
+        built = next(folder.glob("*.pt2"), None)
+        loaded = _run([*me, "load", OP_MODULE, str(built)], 300) if built else {"rc": "not built"}
+        result["builds"][variant] = {"build_rc": ran["rc"], "build_last": ran.get("last"),
+                                     "load_rc": loaded["rc"], "load_last": loaded.get("last")}
+        packages[variant] = built
+    result["compare"] = _compare(out, packages)
     gdb = shutil.which("cuda-gdb")
     if first_crash and gdb:
         ran = _run([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *me, "load", *map(str, first_crash)], 300)
@@ -117,5 +203,7 @@ if __name__ == "__main__":
         start(sys.argv[2], sys.argv[3] == "inline")
     elif sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "build":
+        build(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         main(sys.argv[1])

@@ -87,9 +87,22 @@ def describe_unit(sub: torch.fx.GraphModule, fakes: list[Any], has_split_op: boo
 
 
 def package_unit(job: UnitJob, folder: Path) -> PackagedUnit:
-    """``job``'s unit exported (token count dynamic), packaged into ``folder / job.spec.file`` by AOTInductor,
-    loaded, and (``job.checked``) checked against its code run eagerly on the same examples (:func:`check_unit`).
-    Raises what export, AOTInductor or the check raise."""
+    """``job``'s unit exported (token count dynamic), packaged into ``folder / job.spec.file`` by AOTInductor
+    (:func:`build_package`), loaded, and (``job.checked``) checked against its code run eagerly on the same
+    examples (:func:`check_unit`). Raises what export, AOTInductor or the check raise."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    args = build_package(job, folder)
+    with unset_fake_temporarily(), torch._guards.tracing(None):
+        unit = PackagedUnit(folder / job.spec.file, job.spec)
+        if job.checked:
+            check_unit(unit, job.graph, args, job.skip)
+    return unit
+
+
+def build_package(job: UnitJob, folder: Path) -> list[Any]:
+    """``job``'s unit exported (token count dynamic) and packaged into ``folder / job.spec.file``, not loaded;
+    returns the examples it was exported with (real tensors for a checked unit, else fakes)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch._guards.tracing(None):  # the start's trace context is not export's
@@ -101,10 +114,7 @@ def package_unit(job: UnitJob, folder: Path) -> PackagedUnit:
                                        strict=False)
         folder.mkdir(parents=True, exist_ok=True)
         torch._inductor.aoti_compile_and_package(exported, package_path=str(folder / job.spec.file))
-        unit = PackagedUnit(folder / job.spec.file, job.spec)
-        if job.checked:
-            check_unit(unit, job.graph, args, job.skip)
-    return unit
+    return args
 
 
 def op_modules(graphs: Iterable[torch.fx.GraphModule]) -> list[str]:

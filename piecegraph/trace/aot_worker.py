@@ -81,7 +81,9 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     modules = op_modules(job.graph for job in plan.jobs)
     job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
     path = job_path(root, key, ".job", make=True)
-    header = {"root": str(root), "key": key, "modules": modules}
+    # The start's thread count: Inductor writes CPU code for as many threads as the process that compiles has, and
+    # the worker runs its own checks on one (main below), which would make its packages single-threaded.
+    header = {"root": str(root), "key": key, "modules": modules, "codegen_threads": torch.get_num_threads()}
     path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # piecegraph and the ops' modules, as this process
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
@@ -124,7 +126,8 @@ def run_job(path: Path) -> str:
                 importlib.import_module(module)  # the ops the units call, before their code is unpickled
             job: PackagingJob = pickle.loads(payload)
             common.update(units=len(job.units), trace_sha=job.trace_sha)
-            why = _package_and_add(job, root, progress)
+            with _codegen_threads(header.get("codegen_threads", 0)):
+                why = _package_and_add(job, root, progress)
         except Exception as err:  # noqa: BLE001  (export and AOTInductor raise many types: all end the job)
             traceback.print_exc()
             first = str(err).strip().splitlines()[0][:300] if str(err) else ""
@@ -132,6 +135,15 @@ def run_job(path: Path) -> str:
         finally:
             path.unlink(missing_ok=True)
         return end("done" if not why else "dropped", why)
+
+
+def _codegen_threads(threads: int) -> contextlib.AbstractContextManager:
+    """Inductor's CPU code written for ``threads`` threads (the start's), whatever this process's own count."""
+    if threads <= 1:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch({"cpp.threads": threads})
 
 
 def _device_peak() -> dict[str, float]:
@@ -152,7 +164,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with contextlib.suppress(OSError, AttributeError):  # no os.nice (Windows), or not allowed: full priority
         os.nice(10)
-    torch.set_num_threads(1)  # the checks' eager runs on CPU: OpenMP threads would spin against the start's
+    torch.set_num_threads(1)  # the checks' eager runs on CPU: OpenMP threads would spin against the start's (the
+    # packages' own code is still written for the start's threads: _codegen_threads)
     print(f"piecegraph: background packaging {argv[0]}: {run_job(Path(argv[0]))}", flush=True)
     return 0
 
@@ -161,7 +174,8 @@ def _package_and_add(job: PackagingJob, root: Path, progress: Callable[[int], No
     index = next((u.spec.device_index for u in job.units if u.spec.device_index >= 0), None)
     if index is not None:
         torch.cuda.set_device(index)
-    with tempfile.TemporaryDirectory(dir=root, prefix="scratch-") as scratch, inductor_dir(root):
+    # Grad mode off, as a setup packages inside a module's call (its examples and checks need no autograd)
+    with tempfile.TemporaryDirectory(dir=root, prefix="scratch-") as scratch, inductor_dir(root), torch.no_grad():
         files: dict[str, Any] = {}
         for unit in job.units:
             began = time.perf_counter()

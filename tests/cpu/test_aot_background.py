@@ -109,6 +109,46 @@ def test_a_failed_worker_says_why_and_is_not_started_again_for_the_same_trace(tm
     assert wait_packaging(tmp_path, timeout=600)[key]["state"] == "failed"  # it tried again (and failed again)
 
 
+def test_the_worker_writes_cpu_code_for_the_starts_threads_not_its_own_one(tmp_path, monkeypatch):
+    """The worker runs its own checks on one thread, but Inductor writes CPU code for the compiling process's
+    thread count: its packages were single-threaded (no ``omp parallel`` loops, found by diffing a worker's
+    package against a setup's). The start hands its count over; the worker writes code for it."""
+    import subprocess
+
+    import torch._inductor.config as inductor_config
+
+    from piecegraph.trace import aot_worker
+
+    seen = []
+
+    def package(unit, folder):
+        seen.append((inductor_config.cpp.threads, torch.get_num_threads()))
+        (folder / unit.spec.file).write_bytes(b"package")
+
+    class Started:  # the worker's process is not started: this test runs its job in-process
+        pid = os.getpid()
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(aot_worker, "package_unit", package)
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    key = _entry(tmp_path, b"trace")
+    job = describe_unit(torch.fx.symbolic_trace(lambda x: x.sum(0) * 2), [torch.zeros(4, 3)], False, "unit0.pt2")
+    plan = PackagedPlan(PackagedProgram(units=[job.spec], pieces={"graph": 0}, skeleton=None, fields={},
+                                        memory=None), jobs=[job])
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        start_worker(tmp_path, key, b"trace", plan)
+    finally:
+        torch.set_num_threads(before)
+    (path,) = (tmp_path / "packaging").glob("*.job")
+    assert run_job(path) == "done"
+    assert seen == [(3, before)] and inductor_config.cpp.threads == -1
+    assert "unit0.pt2" in Store(tmp_path).load(key, {"model": "m"}).files
+
+
 def test_a_worker_adds_nothing_to_an_entry_whose_trace_changed(tmp_path):
     key = _entry(tmp_path, b"the trace the start kept")
     plan = _failing_plan()
