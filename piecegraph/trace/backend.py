@@ -19,7 +19,7 @@ from .aot_package import PackageRecorder
 from .handover import CompiledPieces, cut_fingerprint, offer, take
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
-from .same_pieces import piece_key
+from .same_pieces import fresh_outputs, piece_key
 from .split import split_graph
 from .static import compile_static, returns_one_value
 
@@ -188,9 +188,11 @@ def _compile_pieces(
     static: dict[str, dict[int, Callable[..., Any]]] = {}
     seconds = [0.0]
     done: dict[tuple, str] = {}  # piece_key -> the first piece compiled for it (see trace/same_pieces.py)
+    ran: dict[tuple, tuple[Any, list[Any]]] = {}  # piece_key -> that piece's fake outputs and inputs
 
     class _Compiler(torch.fx.Interpreter):
         def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+            key = None
             if target in wanted:
                 sub = getattr(split_gm, target)
                 key = piece_key(sub, list(args))
@@ -200,6 +202,9 @@ def _compile_pieces(
                     compiled[target] = compiled[twin]
                     if twin in static:
                         static[target] = static[twin]
+                    outputs = fresh_outputs(*ran[key]) if key in ran and not kwargs else None
+                    if outputs is not None:  # the twin's fake run stands for this one's
+                        return outputs
                 else:
                     log.debug("piecegraph: compiling %s", target)
                     single = returns_one_value(sub)  # read before Inductor rewrites it (see compile_static)
@@ -210,7 +215,10 @@ def _compile_pieces(
                         seconds[0] += took
                     if key is not None:
                         done[key] = target
-            return super().call_module(target, args, kwargs)
+            outputs = super().call_module(target, args, kwargs)
+            if key is not None and key not in ran:
+                ran[key] = (outputs, list(args))
+            return outputs
 
     # Under the Python dispatcher, as Dynamo and AOTAutograd run graphs on fakes: without it a C++ composite
     # kernel may read concrete sizes (torch 2.11's matmul does, in transformers' rotary embedding), which

@@ -7,6 +7,11 @@ compile. Two pieces share one compiled callable when their graphs match node for
 arguments, wiring, placeholders by position, not by Dynamo's per-layer names) and their inputs have the same
 fake metadata (dtype, device, symbolic sizes and strides). Anything the key cannot describe by value (a
 ``get_attr`` constant, a submodule, a tensor inside a node's arguments) makes the piece its own.
+
+Nor are a twin's fake values propagated again (each middle layer's fake run cost ~40 ms on CPU, a second per
+pass of the 0.5B shape): the first piece's fake outputs are copied as fresh fake tensors of the same metadata
+(:func:`fresh_outputs`), where that is exact: no output aliases an input or another output, and no size is a
+symbol the piece itself made (data-dependent).
 """
 
 from __future__ import annotations
@@ -81,3 +86,30 @@ def _arg_key(value: Any, index: dict[torch.fx.Node, int]) -> Any:
     if isinstance(value, torch.Tensor):
         return None  # a tensor constant: its values would have to be compared
     return ("object", id(value), type(value).__qualname__)  # an enum member, an op overload: by identity
+
+
+def fresh_outputs(outputs: Any, inputs: list[Any]) -> Any:
+    """New fake tensors with ``outputs``' metadata (dtype, device, symbolic sizes and strides, requires_grad), in
+    the same structure (a tensor, or a tuple / list of tensors, numbers and ``None``), made under the active fake
+    mode; ``None`` when they would not stand for what running the piece again makes: an output that aliases an
+    input or another output (fresh tensors would not), a size or stride with a symbol the inputs do not have
+    (data-dependent), or a value of another kind."""
+    many = isinstance(outputs, (tuple, list))
+    values = list(outputs) if many else [outputs]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if any(v is not None and not isinstance(v, (torch.Tensor, int, float, bool)) for v in values):
+        return None
+    known = {sym for a in inputs if isinstance(a, torch.Tensor) for n in (*a.shape, *a.stride())
+             if isinstance(n, torch.SymInt) for sym in n.node.expr.free_symbols}
+    storages = [t.untyped_storage()._cdata for t in tensors]
+    if len(set(storages)) < len(storages) or set(storages) & {
+            a.untyped_storage()._cdata for a in inputs if isinstance(a, torch.Tensor)}:
+        return None
+    for t in tensors:
+        for n in (*t.shape, *t.stride()):
+            if isinstance(n, torch.SymInt) and not n.node.expr.free_symbols <= known:
+                return None
+    made = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
+                                requires_grad=v.requires_grad) if isinstance(v, torch.Tensor) else v
+            for v in values]
+    return type(outputs)(made) if many else made[0]

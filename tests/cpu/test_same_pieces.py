@@ -84,6 +84,52 @@ def test_sharing_never_changes_an_answer(scales, widths, n):
     assert len({id(p.fn) for p in pieces}) == 2 + len(middles)
 
 
+@settings(max_examples=10, deadline=None)
+@given(scales=st.lists(st.sampled_from([0.5, 1.0]), min_size=2, max_size=5),
+       widths=st.lists(st.sampled_from([8, 24]), min_size=5, max_size=5))
+def test_a_twins_fake_outputs_stand_for_its_own_run(scales, widths):
+    """A piece that is the same program as an earlier one is not run on fakes again: the earlier run's outputs
+    are copied (trace/same_pieces.py's fresh_outputs). Every piece then sees inputs of the same metadata (its
+    key: dtypes, symbolic sizes and strides) as when each piece runs, and the answer is eager's."""
+    from piecegraph.context import forward_context
+
+    model = Scaled(scales, widths[:len(scales)]).eval()
+    keys = {}
+    real_key = backend.piece_key
+    for shortcut in (True, False):
+        seen = keys[shortcut] = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(backend, "piece_key", lambda sub, args, seen=seen: seen.append(real_key(sub, args))
+                          or seen[-1])
+            if not shortcut:
+                patch.setattr(backend, "fresh_outputs", lambda outputs, inputs: None)
+            graphed = piecegraph.compile(model, mode="piecewise", compiler="eager", capture_sizes=(4,),
+                                         emulate_graphs=True)
+            x = torch.randn(3, 16)
+            with forward_context({"n": 3}):
+                torch.testing.assert_close(graphed(x), model(x), rtol=1e-5, atol=1e-5)
+    assert keys[True] == keys[False] and len(keys[True]) == len(scales) + 1
+
+
+def test_fresh_outputs_refuse_aliases_and_data_dependent_sizes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from piecegraph.trace.same_pieces import fresh_outputs
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.randn(4, 8))
+        y = x * 2
+        made = fresh_outputs((y, None, 3), [x])
+        assert made[1:] == (None, 3) and made[0] is not y
+        assert (made[0].shape, made[0].stride(), made[0].dtype) == (y.shape, y.stride(), y.dtype)
+        assert fresh_outputs(x[1:], [x]) is None  # a view of an input
+        assert fresh_outputs((y, y.view(-1)), [x]) is None  # two outputs sharing one buffer
+        assert fresh_outputs([y, "text"], [x]) is None
+        nonzero = torch.nonzero(x)  # an unbacked (data-dependent) size
+        assert fresh_outputs(nonzero, [x]) is None
+
+
 def test_the_key_tells_constants_shapes_and_dtypes_apart():
     def graph(fn, *args):
         gm = torch.fx.symbolic_trace(fn)
