@@ -78,7 +78,8 @@ def serve_bench(
                               "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto; "
                               "auto-sync (the synchronous loop), auto-freeze (on a frozen heap), "
-                              "auto-pieces (the full module from the shared trace, compiled by pieces)"),
+                              "auto-shared (the full module from the shared trace), auto-pieces (that, compiled by "
+                              "pieces)"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
                                  "(default: --rounds per client within --min-requests..--max-requests)"),

@@ -70,7 +70,7 @@ class EngineConfig:
             where that trace cannot be shared it traces as before. With ``full_compile="pieces"`` the full module
             takes the piecewise module's compiled pieces too (``piecegraph/trace/handover.py``): it set up in 1.7 s
             instead of 25.7 on CPU. Both off by default until a GPU serve-bench times their steps
-            (its ``auto-pieces`` row sets both).
+            (its ``auto-shared`` row sets ``share_trace``, its ``auto-pieces`` row both).
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
         aot_package: with a cache, keep AOTInductor packages of the modules' compiled pieces in it, so a warm

@@ -695,6 +695,8 @@ def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
 
     pieces = engine_config("auto-pieces", EngineConfig())
     assert pieces.full_compile == "pieces" and pieces.share_trace and not EngineConfig().share_trace
+    shared = engine_config("auto-shared", EngineConfig())
+    assert (shared.mode, shared.share_trace, shared.full_compile) == ("auto", True, "whole")
     with pytest.raises(ValueError, match="EngineConfig.full_compile='layers'"):
         EngineConfig(full_compile="layers")
     with pytest.raises(ValueError, match="EngineConfig.share_trace='yes' must be True or False"):
