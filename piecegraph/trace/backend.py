@@ -192,10 +192,10 @@ def _compile_pieces(
 
     class _Compiler(torch.fx.Interpreter):
         def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-            key = None
+            key = writes = None
             if target in wanted:
                 sub = getattr(split_gm, target)
-                key = piece_key(sub, list(args))
+                key, writes = piece_key(sub, list(args)), mutated_inputs(sub)  # read before Inductor rewrites sub
                 twin = done.get(key) if key is not None else None
                 if twin is not None:
                     log.debug("piecegraph: %s is the same program as %s: compiled once", target, twin)
@@ -216,7 +216,7 @@ def _compile_pieces(
                     if key is not None:
                         done[key] = target
             outputs = super().call_module(target, args, kwargs)
-            if key is not None and key not in ran:
+            if key is not None and key not in ran and not writes:  # one that writes its inputs runs each time
                 ran[key] = (outputs, list(args))
             return outputs
 

@@ -10,8 +10,8 @@ fake metadata (dtype, device, symbolic sizes and strides). Anything the key cann
 
 Nor are a twin's fake values propagated again (each middle layer's fake run cost ~40 ms on CPU, a second per
 pass of the 0.5B shape): the first piece's fake outputs are copied as fresh fake tensors of the same metadata
-(:func:`fresh_outputs`), where that is exact: no output aliases an input or another output, and no size is a
-symbol the piece itself made (data-dependent).
+(:func:`fresh_outputs`), where that is exact: the piece writes none of its inputs, no output aliases an input or
+another output, and no size is a symbol the piece itself made (data-dependent).
 """
 
 from __future__ import annotations
