@@ -20,7 +20,9 @@
 # cold, warm, and cold with the engine's defaults); "startup-hf" does the same for piecegraph.hf (scripts/hf_start.py: a
 # transformers Qwen2 of the 0.5B shape, Session(capture=True): first JIT, cold, warm); "startup-aot" times starts from AOTInductor packages
 # (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "loader-probe" packages one decode unit in a setup and by the
-# background worker and loads each in fresh processes (scripts/package_load_probe.py: the worker's SIGSEGV on the H200);
+# background worker, and prefill pieces by the worker, loads each in fresh processes, takes the first crash's backtrace,
+# rebuilds the workers' jobs several ways and diffs the generated code (scripts/package_load_probe.py: the worker's
+# SIGSEGV on the H200; PROBE_BUDGET_S caps it, default 420 s; run it on its own call, with BUNDLE);
 # "aoti-probe" packages a block with AOTInductor and loads it
 # in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
@@ -309,9 +311,13 @@ if has swap-bench; then  # issue 24: one engine's decode on the pieces' program,
   rm -rf /tmp/pg-swap
 fi
 if has loader-probe; then  # issue 24: why the worker's packages crash torch's package loader (stop 46)
-  FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME} timeout 1500 python3 scripts/package_load_probe.py \
-    /tmp/pg-loader-probe >"$OUT/loader_probe.log" 2>&1
-  cp /tmp/pg-loader-probe/probe.json "$OUT/loader_probe.json" 2>/dev/null; tail -c 3000 "$OUT/loader_probe.log"
+  # PROBE_BUDGET_S: the probe skips its remaining steps past it (one device call holds at most 600 s)
+  FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME} PROBE_BUDGET_S=${PROBE_BUDGET_S:-420} timeout 560 \
+    python3 scripts/package_load_probe.py /tmp/pg-loader-probe >"$OUT/loader_probe.log" 2>&1
+  mkdir -p "$OUT/loader_probe" && cp /tmp/pg-loader-probe/probe.json /tmp/pg-loader-probe/diff_*.txt \
+    "$OUT/loader_probe/" 2>/dev/null
+  cat /tmp/pg-loader-probe/*/packaging/*.log >"$OUT/loader_probe/worker_logs.txt" 2>/dev/null
+  tail -c 3000 "$OUT/loader_probe.log"
   rm -rf /tmp/pg-loader-probe
 fi
 if has aoti-probe; then  # issue 24: a packaged piece loaded and run (and graph-replayed) without Dynamo or Inductor

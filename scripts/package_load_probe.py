@@ -1,25 +1,27 @@
-"""Why torch's package loader crashes on the background worker's packages (issue 24, stop 46 on the H200): one decode
-unit of a one-layer 0.5B-shaped decoder (the whole graph, attention ops inside) is packaged twice, in a start's
-setup (``aot_background=False``) and by the background worker, and each package is then loaded in fresh processes:
+"""Why torch's package loader crashes on the background worker's packages (issue 24, stop 46 on the H200), in one
+device call. A one-layer 0.5B-shaped decoder's decode unit (the whole graph, attention ops inside) is packaged in a
+start's setup (``inline``, ``aot_background=False``) and by the background worker (``worker``), and its prefill
+pieces (no attention op: checked on real examples) by the worker too (``worker_prefill``). Then, most telling first:
 
-- ``op``: a process that imports the op's module only (what the worker's loader crash was reproduced with);
-- ``op+flashinfer``: that and FlashInfer (a warm start has imported it before it loads packages);
-- under ``cuda-gdb`` (where it is installed), the first load that crashed, for its native backtrace.
-
-Then, should the build be what differs, the worker's job (copied as the start hands it over) is packaged again in
-fresh processes, each built one way and loaded in another fresh process: ``grad`` (grad mode on, as the worker built
-until stop 47), ``no_grad`` (as a setup's inline packaging, inside a module's call, and the worker now build),
-``pydispatch`` (under the Python dispatcher, as a setup packages a piecewise program's pieces: while piecegraph's
-compiler propagates fake values), ``fresh_cache`` (an empty Inductor cache instead of the entry's, which the setup's
-compile filled). And the packages' text files (the generated C++ wrapper, its JSON) are compared, the inline package's
-against each other's (``OUTDIR/diff_*.txt``, with their file lists in the JSON).
+- each package loaded in fresh processes: after importing the op's module only (``op``: how the crash was
+  reproduced), and FlashInfer too (``op+flashinfer``: a warm start has imported it);
+- the first load that crashed, under ``cuda-gdb`` (where installed), for its native backtrace;
+- the workers' jobs (copied as the start hands them over) packaged again in fresh processes, each one way, and
+  loaded in another: the prefill piece after compiling and running it with Inductor in that process
+  (``jit_run_first``: a setup packages kernels it has compiled and tuned already) and without (``plain``); the
+  decode unit with grad mode on (``grad``: as the worker built until stop 47; it now builds under no_grad, as a
+  setup does), under the Python dispatcher (``pydispatch``: as a setup packages a piecewise program's pieces) and
+  with an empty Inductor cache (``fresh_cache``);
+- the packages' text files (the generated C++ wrapper and kernels, their JSON) compared: each decode package
+  against the inline one, each prefill package against ``jit_run_first``'s (``OUTDIR/diff_*.txt``; file lists in
+  the JSON).
 
     python scripts/package_load_probe.py OUTDIR
 
-Prints one JSON line and writes it to OUTDIR/probe.json: each start's ``aot`` line and the worker's state, each load's
-return code (-11 or 139: SIGSEGV) and last line, each variant's build, and the backtrace's frames.
-PIECEGRAPH_PROBE_DEVICE=cpu makes a dry run (the torch attention backend, graphs emulated: every load should succeed
-there).
+Prints one JSON line and writes it to OUTDIR/probe.json after every step: each start's ``aot`` line and the
+worker's state, each load's return code (-11 or 139: SIGSEGV) and last line, each rebuild, the backtrace's frames,
+and the steps skipped once PROBE_BUDGET_S (default 540 s) was spent. PIECEGRAPH_PROBE_DEVICE=cpu makes a dry run
+(the torch attention backend, graphs emulated: every load should succeed there).
 """
 
 from __future__ import annotations
@@ -32,14 +34,18 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
 OP_MODULE = "piecegraph.attention.op"
 
 
-def start(root: str, inline: bool) -> None:
-    """Child: set up the decode module with packages (in the setup, or in the background and wait)."""
+def start(root: str, how: str) -> None:
+    """Child: set up the decode module (``how``: ``inline``, packaged in the setup; ``worker``, in the background,
+    waited for) or a piecewise prefill module packaged in the background (``worker_prefill``: its pieces hold no
+    attention op, so they are checked on real examples and can be run before packaging)."""
+    inline = how == "inline"
     import dataclasses
 
     import torch
@@ -54,8 +60,10 @@ def start(root: str, inline: bool) -> None:
     shape = dataclasses.replace(QWEN2_5_0_5B, num_layers=1)
     model = Decoder.random(shape, dtype=dtype, device=device)
     cache = KVCache.for_sequences(shape, 8, 64, dtype=dtype, device=device, backend="flashinfer" if cuda else "torch")
-    module = piecegraph.compile(model, mode="full", capture_sizes=(1, 2, 4), cache_dir=root, aot_package=True,
-                                aot_background=not inline, full_compile="whole", emulate_graphs=not cuda)
+    mode = {"mode": "piecewise", "capture_sizes": (4, 16)} if how == "worker_prefill" else \
+        {"mode": "full", "capture_sizes": (1, 2, 4), "full_compile": "whole"}
+    module = piecegraph.compile(model, cache_dir=root, aot_package=True, aot_background=not inline,
+                                emulate_graphs=not cuda, **mode)
     module.capture(lambda n: dummy_inputs(model, cache, n))
     jobs = Path(root) / "jobs"  # the worker's job, kept for the builds below (the worker deletes it when it ends)
     for job in Path(root).glob("packaging/*.job"):
@@ -102,6 +110,14 @@ def build(variant: str, job_file: str, folder: str) -> None:
     where = contextlib.nullcontext() if variant == "fresh_cache" else inductor_dir(Path(header["root"]))
     with where, enable_python_dispatcher() if variant == "pydispatch" else contextlib.nullcontext(), \
             torch.set_grad_enabled(variant == "grad"):
+        if variant == "jit_run_first":  # as a setup packages: its kernels compiled and tuned in this process
+            from piecegraph.trace.aot_job import example_tensor
+
+            args = [example_tensor(spec) for spec in unit.inputs]
+            for arg, spec in zip(args, unit.inputs):
+                for dim in spec.dims:
+                    torch._dynamo.mark_dynamic(arg, dim)
+            torch.compile(unit.graph, backend="inductor")(*args)
         build_package(unit, Path(folder))
     print(Path(folder) / unit.spec.file)
 
@@ -148,59 +164,86 @@ def _run(args: list[str], timeout: float) -> dict:
 
 
 def _package(root: Path) -> Path | None:
-    """The unit's package: the entry's, or the worker's scratch copy (left behind when the worker crashed)."""
+    """The first unit's package: the entry's, or the worker's scratch copy (left behind when the worker crashed)."""
     found = sorted(root.glob("entries/*/unit0.pt2")) + sorted(root.glob("scratch-*/unit0.pt2"))
     return found[0] if found else None
 
 
+def _crashed(ran: dict) -> bool:
+    return isinstance(ran["rc"], int) and (ran["rc"] < 0 or ran["rc"] > 128)  # ended by a signal
+
+
 def main(out_dir: str) -> None:
+    """The steps, most telling first, each skipped once PROBE_BUDGET_S (default 540: one device call) is spent;
+    the JSON is written after every step, so a call cut short still brings back what ran."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     me = [sys.executable, str(Path(__file__).resolve())]
-    result: dict = {"starts": {}, "loads": {}}
-    packages = {}
-    for how in ("inline", "worker"):
-        root = out / how
-        shutil.rmtree(root, ignore_errors=True)
-        ran = _run([*me, "start", str(root), how], 600)
-        result["starts"][how] = {"rc": ran["rc"], "report": ran.get("stdout", "").strip()[-2000:] or ran.get("last")}
-        packages[how] = _package(root)
+    began, budget = time.monotonic(), float(os.environ.get("PROBE_BUDGET_S", "540"))
+    result: dict = {"starts": {}, "loads": {}, "builds": {}, "skipped": []}
+    packages: dict[str, Path | None] = {}
+
+    def step(name: str) -> bool:
+        if time.monotonic() - began > budget:
+            result["skipped"].append(name)
+            return False
+        return True
+
+    def save() -> None:
+        result["elapsed_s"] = round(time.monotonic() - began, 1)
+        (out / "probe.json").write_text(json.dumps(result, default=str) + "\n")
+
+    for how in ("inline", "worker", "worker_prefill"):
+        if step(f"start {how}"):
+            root = out / how
+            shutil.rmtree(root, ignore_errors=True)
+            ran = _run([*me, "start", str(root), how], 600)
+            report = ran.get("stdout", "").strip()[-2000:] or ran.get("last")
+            result["starts"][how] = {"rc": ran["rc"], "report": report}
+            packages[how] = _package(root)
+            save()
     first_crash = None
-    for how, package in packages.items():
+    for how in ("inline", "worker", "worker_prefill"):
         for imports in (OP_MODULE, f"flashinfer,{OP_MODULE}"):
             name = f"{how}/{'op' if imports == OP_MODULE else 'op+flashinfer'}"
-            if package is None:
+            if packages.get(how) is None or not step(f"load {name}"):
                 result["loads"][name] = {"rc": "no package"}
                 continue
-            ran = _run([*me, "load", imports, str(package)], 300)
+            ran = _run([*me, "load", imports, str(packages[how])], 300)
             result["loads"][name] = {k: ran.get(k) for k in ("rc", "last")}
-            crashed = isinstance(ran["rc"], int) and (ran["rc"] < 0 or ran["rc"] > 128)  # by a signal
-            if crashed and first_crash is None:
-                first_crash = (imports, package)
-    jobs = sorted((out / "worker" / "jobs").glob("*.job"))
-    result["builds"] = {}
-    for variant in ("grad", "no_grad", "pydispatch", "fresh_cache") if jobs else ():
-        folder = out / "builds" / variant
-        shutil.rmtree(folder, ignore_errors=True)
-        ran = _run([*me, "build", variant, str(jobs[0]), str(folder)], 900)
-        built = next(folder.glob("*.pt2"), None)
-        loaded = _run([*me, "load", OP_MODULE, str(built)], 300) if built else {"rc": "not built"}
-        result["builds"][variant] = {"build_rc": ran["rc"], "build_last": ran.get("last"),
-                                     "load_rc": loaded["rc"], "load_last": loaded.get("last")}
-        packages[variant] = built
-    result["compare"] = _compare(out, packages)
+            if _crashed(ran) and first_crash is None:
+                first_crash = (imports, packages[how])
+            save()
     gdb = shutil.which("cuda-gdb")
-    if first_crash and gdb:
+    if first_crash and gdb and step("backtrace"):
         ran = _run([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *me, "load", *map(str, first_crash)], 300)
         result["backtrace"] = [line for line in ran.get("stdout", "").splitlines() if line.startswith("#")][:40]
-    line = json.dumps(result, default=str)
-    (out / "probe.json").write_text(line + "\n")
-    print(line)
+        save()
+    for job_of, variant in (("worker_prefill", "jit_run_first"), ("worker_prefill", "plain"), ("worker", "grad"),
+                            ("worker", "pydispatch"), ("worker", "fresh_cache")):
+        jobs = sorted((out / job_of / "jobs").glob("*.job"))
+        name = f"{job_of}/{variant}"
+        if not jobs or not step(f"build {name}"):
+            continue
+        folder = out / "builds" / job_of / variant
+        shutil.rmtree(folder, ignore_errors=True)
+        ran = _run([*me, "build", variant, str(jobs[0]), str(folder)], 600)
+        built = next(folder.glob("*.pt2"), None)
+        loaded = _run([*me, "load", OP_MODULE, str(built)], 300) if built else {"rc": "not built"}
+        result["builds"][name] = {"build_rc": ran["rc"], "build_last": ran.get("last"),
+                                  "load_rc": loaded["rc"], "load_last": loaded.get("last")}
+        packages[variant if job_of == "worker" else f"prefill_{variant}"] = built
+        save()
+    result["compare"] = _compare(out, {k: v for k, v in packages.items() if "prefill" not in k})
+    result["compare_prefill"] = _compare(out, {"inline" if k == "prefill_jit_run_first" else k: v
+                                               for k, v in packages.items() if "prefill" in k})
+    save()
+    print(json.dumps(result, default=str))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "start":
-        start(sys.argv[2], sys.argv[3] == "inline")
+        start(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "build":
