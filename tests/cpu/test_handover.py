@@ -1,7 +1,7 @@
 """A program's compiled pieces handed to another program cut from the same trace (trace/handover.py): an engine's
 full module compiled by pieces takes its piecewise module's compiled pieces instead of compiling them again, and
-a cut that differs in anything deciding the pieces' code (a constant, a shape, a dtype, the
-compiler) takes nothing. Graph semantics emulated on CPU."""
+a cut that differs in anything deciding the pieces' code (a constant, a shape, a dtype, the compiler) takes
+nothing. Graph semantics emulated on CPU."""
 
 from __future__ import annotations
 
