@@ -66,6 +66,9 @@ def serve(
     full_compile: str = typer.Option("whole", "--full-compile", help="whole | pieces: auto's decode module "
                                      "compiled as one graph, or by pieces (a faster cold start; with --cache the "
                                      "whole graph is packaged in the background and swapped in once ready)"),
+    share_trace: bool = typer.Option(False, "--share-trace/--no-share-trace", help="auto's decode module builds "
+                                     "from the piecewise module's Dynamo trace instead of tracing again (with "
+                                     "--full-compile pieces it takes its compiled pieces too): a faster start"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -104,7 +107,8 @@ def serve(
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_seq_len or None,
                           compiler=compiler or ("inductor" if gpu else "eager"),
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
-                          cache_dir=cache, full_compile=full_compile)  # cache True: the default folder
+                          cache_dir=cache, full_compile=full_compile,
+                          share_trace=share_trace)  # cache True: the default folder
     frontends = api_servers or (default_api_servers(gpu) if engine_process else 1)
     if frontends > 1 and not engine_process:
         raise typer.BadParameter("several API servers need the engine in its own process (--engine-process)",

@@ -312,7 +312,7 @@ def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag
     assert seen["config"].full_compile == "whole"
 
 
-def test_serve_full_compile_reaches_the_engine_and_a_wrong_value_is_refused_naming_the_option(monkeypatch):
+def test_serve_full_compile_and_share_trace_reach_the_engine_and_a_wrong_value_is_refused(monkeypatch):
     from typer.testing import CliRunner
 
     from piecegraph.cli import app
@@ -327,6 +327,10 @@ def test_serve_full_compile_reaches_the_engine_and_a_wrong_value_is_refused_nami
     monkeypatch.setattr(run, "build_process_state", stop)
     result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces"])
     assert result.exit_code == 0 and seen["config"].full_compile == "pieces", result.output
+    assert not seen["config"].share_trace
+    shared = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces",
+                                      "--share-trace"])
+    assert shared.exit_code == 0 and seen["config"].share_trace, shared.output
     wrong = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "halves"])
     assert wrong.exit_code == 2 and "--full-compile" in wrong.output and "halves" in wrong.output, wrong.output
 
