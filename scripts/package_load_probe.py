@@ -3,8 +3,9 @@ device call. A one-layer 0.5B-shaped decoder's decode unit (the whole graph, att
 start's setup (``inline``, ``aot_background=False``) and by the background worker (``worker``), and its prefill
 pieces (no attention op: checked on real examples) by the worker too (``worker_prefill``). Then, most telling first:
 
-- each package loaded in fresh processes: after importing the op's module only (``op``: how the crash was
-  reproduced), and FlashInfer too (``op+flashinfer``: a warm start has imported it);
+- each package loaded in a fresh process after importing the op's module only (``op``: how the crash was
+  reproduced); one that crashes, again with FlashInfer imported too (``op+flashinfer``: a warm start has it) and
+  with Inductor's code cache (``op+inductor``: a process that compiled has it);
 - the first load that crashed, under ``cuda-gdb`` (where installed), for its native backtrace;
 - the workers' jobs (copied as the start hands them over) packaged again in fresh processes, each one way, and
   loaded in another: the prefill piece after compiling and running it with Inductor in that process
@@ -202,17 +203,20 @@ def main(out_dir: str) -> None:
             result["starts"][how] = {"rc": ran["rc"], "report": report}
             packages[how] = _package(root)
             save()
-    first_crash = None
-    for how in ("inline", "worker", "worker_prefill"):
-        for imports in (OP_MODULE, f"flashinfer,{OP_MODULE}"):
-            name = f"{how}/{'op' if imports == OP_MODULE else 'op+flashinfer'}"
-            if packages.get(how) is None or not step(f"load {name}"):
-                result["loads"][name] = {"rc": "no package"}
+    first_crash, crashed = None, set()
+    # Each package after the op module only (as the crash was reproduced); one that crashes then again with
+    # FlashInfer imported (as a warm start has it) and with Inductor's code cache imported (a start that compiled)
+    for imports, label in ((OP_MODULE, "op"), (f"flashinfer,{OP_MODULE}", "op+flashinfer"),
+                           (f"torch._inductor.codecache,{OP_MODULE}", "op+inductor")):
+        for how in ("inline", "worker", "worker_prefill"):
+            name = f"{how}/{label}"
+            if packages.get(how) is None or (label != "op" and how not in crashed) or not step(f"load {name}"):
                 continue
             ran = _run([*me, "load", imports, str(packages[how])], 300)
             result["loads"][name] = {k: ran.get(k) for k in ("rc", "last")}
-            if _crashed(ran) and first_crash is None:
-                first_crash = (imports, packages[how])
+            if _crashed(ran):
+                crashed.add(how)
+                first_crash = first_crash or (imports, packages[how])
             save()
     gdb = shutil.which("cuda-gdb")
     if first_crash and gdb and step("backtrace"):
