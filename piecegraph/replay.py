@@ -203,7 +203,10 @@ class Replayer:
         self.staging.restore(staged, saved)
         # Against the unpadded run: a padded reference would hide an op that mixes pad rows into real ones.
         with self.staging.extra_runs():
-            error = rel_error(replayed, self.run(rolled), n, td, self.program.token_outputs)
+            reference = self.run(rolled)
+            error = rel_error(replayed, reference, n, td, self.program.token_outputs)
+        if n < size and self.config.mode == "breakable":
+            error = max(error, self._pad_dependence(rolled, reference, n, size, saved))
         tol = verify_tolerance(self.config.verify_tol, replayed)
         if error <= tol:
             log.info("piecegraph: verified size %d (rel. error %.2e)", size, error)
@@ -212,6 +215,33 @@ class Replayer:
         for piece in self.program.pieces:
             piece.captured.pop(size, None)
         warnings.warn(dropped_warning(size, error, tol), stacklevel=7)  # out through the runner to the module call
+
+    def _pad_dependence(self, rolled: list[Any], reference: Any, n: int, size: int,
+                        saved: dict[int, torch.Tensor]) -> float:
+        """How far the real rows' outputs move, run without graphs at ``size`` rows, when the pad rows of the
+        floating-point token inputs hold large values of either sign instead of zeros. A breakable program has no
+        trace in which to see an op that mixes rows over tokens, and with zero pads its effect can hide in the
+        values (a tanh of a sum over tokens, saturated at the verified call, not at the next): this shows it.
+        0.0 when no token input is floating point."""
+        td = self.config.token_dim
+        floats = [i for i in self.staging.token_idx
+                  if isinstance(rolled[i], torch.Tensor) and rolled[i].is_floating_point()]
+        worst = 0.0
+        for sign in ((1.0, -1.0) if floats else ()):
+            staged = self._stage(rolled, n, size)
+            for i in floats:
+                real = staged[i].narrow(td, 0, n)
+                big = 100.0 * float(real.abs().max()) + 1.0 if real.numel() else 1.0  # an extra run: may read
+                staged[i].narrow(td, n, size - n).fill_(sign * big)
+            try:
+                with self.staging.extra_runs():
+                    moved = self.run(staged)
+                worst = max(worst, rel_error(moved, reference, n, td, self.program.token_outputs))
+            except Exception:  # noqa: BLE001  (pads this large broke the program: take it as mixing, drop)
+                worst = float("inf")
+            finally:
+                self.staging.restore(staged, saved)
+        return worst
 
     def drop_all(self) -> None:
         """Forget every captured size; the next call of each size captures again."""
