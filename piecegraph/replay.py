@@ -231,7 +231,7 @@ class Replayer:
             staged = self._stage(rolled, n, size)
             for i in floats:
                 real = staged[i].narrow(td, 0, n)
-                big = 100.0 * float(real.abs().max()) + 1.0 if real.numel() else 1.0  # an extra run: may read
+                big = 10.0 * float(real.abs().max()) + 1.0 if real.numel() else 1.0  # an extra run: may read
                 staged[i].narrow(td, n, size - n).fill_(sign * big)
             try:
                 with self.staging.extra_runs():
