@@ -68,6 +68,11 @@ class PieceInfo:
     is_split: bool
     num_ops: int
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the piece is compiled: it has ops, and is not a split op (which runs eagerly)."""
+        return not self.is_split and self.num_ops > 0
+
 
 class Piece(Protocol):
     """A piece of a program: called with its inputs, it runs, captures or replays as its ``CaptureState``

@@ -166,7 +166,7 @@ def _piece_inputs(split_gm: torch.fx.GraphModule, args: list) -> dict[str, list]
 def count_pieces(gm: torch.fx.GraphModule) -> int:
     """Compute pieces (not split ops, not empty) after splitting ``gm`` at the registered split ops."""
     _, infos = split_graph(gm, split_op_names())
-    return sum(1 for i in infos if not i.is_split and i.num_ops > 0)
+    return sum(1 for i in infos if i.compiled)
 
 
 def probe_graph(gm: torch.fx.GraphModule, args: list) -> tuple[int, list[CaptureFailure]]:
@@ -185,7 +185,7 @@ def probe_graph(gm: torch.fx.GraphModule, args: list) -> tuple[int, list[Capture
         why = why_capture_fails(target, error, dict(node.kwargs) if node is not None else None)
         failures.append(CaptureFailure(info.name, node.name if node is not None else None, target, why,
                                        error[:500], _location(node) if node is not None else "?"))
-    return len([i for i in infos if not i.is_split and i.num_ops > 0]), failures
+    return sum(1 for i in infos if i.compiled), failures
 
 
 def probe_model(model: Callable, args: tuple, kwargs: Optional[dict] = None, context: Any = None

@@ -102,7 +102,7 @@ class PackageRecorder:
         every piece that has ops replaced by an empty module, pickled as FX code (no node metadata)."""
         if not self.active:
             return
-        root = {info.name: torch.nn.Module() if not info.is_split and info.num_ops > 0
+        root = {info.name: torch.nn.Module() if info.compiled
                 else getattr(split_gm, info.name) for info in infos}
         self.skeleton = pickle.dumps(torch.fx.GraphModule(root, split_gm.graph))
 

@@ -183,7 +183,7 @@ def _compile_pieces(
     """Propagate fake values through ``split_gm`` and compile each non-split piece for its symbolic inputs (with
     ``packages``: packaged by AOTInductor where it can), and again per static compile size in ``sizes``
     (``{piece: {size: fn}}``, with the seconds those took)."""
-    wanted = {info.name for info in infos if not info.is_split and info.num_ops > 0}
+    wanted = {info.name for info in infos if info.compiled}
     compiled: dict[str, Callable[..., Any]] = {}
     static: dict[str, dict[int, Callable[..., Any]]] = {}
     seconds = [0.0]

@@ -67,7 +67,7 @@ def take(offered: CompiledPieces | None, split_gm: torch.fx.GraphModule, infos: 
         return None
     if cut_fingerprint(split_gm, infos, fake_args) != offered.fingerprint:
         return None
-    wanted = [info.name for info in infos if not info.is_split and info.num_ops > 0]
+    wanted = [info.name for info in infos if info.compiled]
     if any(name not in offered.fns for name in wanted):
         return None
     return {name: offered.fns[name] for name in wanted}

@@ -49,7 +49,7 @@ def _cut(scales, widths, dtype, n, seed):
 
 
 def _pieces(split_gm, infos):
-    return {i.name: getattr(split_gm, i.name) for i in infos if not i.is_split and i.num_ops > 0}
+    return {i.name: getattr(split_gm, i.name) for i in infos if i.compiled}
 
 
 CHANGES = ("none", "scale", "width", "dtype", "layers")
