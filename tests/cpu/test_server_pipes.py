@@ -28,17 +28,21 @@ def _sends_without_a_reader(widened):
         widen(send)
     done = threading.Event()
 
-    def write():
-        for message in _steps_of_events():
+    def write(messages):
+        for message in messages:
             send.send(message)
         done.set()
 
-    thread = threading.Thread(target=write, daemon=True)
+    messages = _steps_of_events()
+    thread = threading.Thread(target=write, args=(messages,), daemon=True)
     thread.start()
     finished = done.wait(2.0)
-    while not done.is_set():  # let a blocked writer finish, so the thread ends
+    # Read every message, not "until done": the writer may still be between its last send and done.set(), and a
+    # recv() after the last message would block for good (that race hung a CI run).
+    for _ in messages:
         recv.recv()
-    thread.join()
+    thread.join(timeout=10.0)
+    assert not thread.is_alive()
     return finished
 
 
