@@ -282,7 +282,19 @@ if has startup-engine; then  # issue 24's targets, for the engine itself: one sh
   engine cold /tmp/pg-engine
   python3 -m piecegraph.cli cache wait --dir /tmp/pg-engine --timeout 300 >"$OUT/engine_wait.log" 2>&1
   engine warm /tmp/pg-engine
-  AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults, no packages
+  if [ -n "${LOAD_BISECT:-}" ]; then  # which import a package load needs (stop 48: FlashInfer's; which part of it)
+    package=$(find /tmp/pg-engine -name 'unit0.pt2' | head -1)
+    for mods in "" tvm_ffi flashinfer.jit flashinfer; do
+      timeout 120 python3 scripts/package_load_probe.py load "$mods,piecegraph.attention.op" "$package" \
+        >"$OUT/load_${mods:-none}.log" 2>&1
+      echo "load after importing [${mods:-nothing}]: rc=$? $(tail -1 "$OUT/load_${mods:-none}.log")"
+    done
+    python3 -c "import torch; print(open('/proc/self/maps').read())" | grep -o '/[^ ]*libstdc[^ ]*' | sort -u
+    python3 -c "import torch, flashinfer; print(open('/proc/self/maps').read())" | grep -o '/[^ ]*libstdc[^ ]*' | sort -u
+    g++ --version | head -1; which g++; ls /usr/bin/g++* 2>/dev/null
+  fi
+  [ -n "${ENGINE_NO_PLAIN:-}" ] || \
+    AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults, no packages
   rm -rf /tmp/pg-engine-first /tmp/pg-engine /tmp/pg-engine-plain
 fi
 if has startup-hf; then  # issue 24's targets through piecegraph.hf: a transformers Qwen2, Session(capture=True)

@@ -117,6 +117,9 @@ def ended_silently(root: str | Path, key: str, state: dict[str, Any]) -> bool:
 NATIVE_CRASHES = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # not SIGKILL: the OOM killer, a user
 
 
+# Bump when a change to the worker may change whether a job that failed fails again: failures (and crashes) of
+# workers of another revision are not held against new ones. 2: the start's torch libraries imported first (stop 48).
+WORKER_REVISION = 2
 INLINE_INSTEAD = "Config(aot_background=False) packages in the setup instead"
 
 
@@ -126,13 +129,14 @@ def native_crash(state: dict[str, Any]) -> bool:
 
 
 def crashed_worker(root: str | Path, torch_version: str) -> dict[str, Any] | None:
-    """The last state of a worker under ``root`` that crashed in native code with this torch, or ``None``. A
+    """The last state of a worker under ``root`` (of this :data:`WORKER_REVISION`) that crashed in native code
+    with this torch, or ``None``. A
     worker of another entry would likely crash the same way: on the H200 with torch 2.11, torch's package loader
     crashed every worker, whatever the entry."""
     folder = Path(root) / FOLDER
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
         state = read_state(root, path.stem) or {}
-        if native_crash(state) and state.get("torch") == torch_version:
+        if native_crash(state) and state.get("torch") == torch_version and state.get("worker") == WORKER_REVISION:
             return state
     return None
 

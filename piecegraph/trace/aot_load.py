@@ -15,7 +15,11 @@ runner pool's locking, which CUDA graph capture needs (piecegraph serializes a m
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
 import pickle
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +31,7 @@ from ..graphs.capture import GraphedPiece
 from ..graphs.memory import GraphMemory
 from ..program import CaptureState, Program
 
+log = logging.getLogger("piecegraph")
 FORMAT = 1  # bump when PackagedProgram changes: older records then read as unusable and the start compiles
 PROGRAM_FIELDS = ("infos", "kinds", "token_outputs", "dynamic", "names", "caller_inputs", "token_mixing",
                   "mutated_inputs")
@@ -55,6 +60,48 @@ class PackagedProgram:
     memory: GraphMemory | None
     torch_version: str = field(default_factory=lambda: torch.__version__)
     format: int = FORMAT
+    libraries: tuple[str, ...] = ()  # the start's torch libraries (torch_libraries), imported before a load
+
+
+def torch_libraries() -> tuple[str, ...]:
+    """The top-level packages this process has imported, in import order, whose distribution requires torch
+    (FlashInfer, a kernel library, ...; torch and piecegraph aside): what a process that loads this start's
+    packages imports first (:func:`import_libraries`).
+
+    Why: on the H100 and H200 machines (torch 2.11), torch's package loader crashed (SIGSEGV in ``std::regex``,
+    in the package's own ``parse_device_str``, as it built the model) in every fresh process that had not imported
+    FlashInfer, packages made in a setup too, and loaded each one once FlashInfer was imported (stop 48). The
+    background worker, a fresh process, lacked it. A package is therefore made, checked and loaded only in
+    processes that imported what the start had (the compiler stack, which torch's own requirements are, is not
+    among them: a warm start does not import it)."""
+    from importlib import metadata
+
+    dists = metadata.packages_distributions()
+    names = [name for name in list(sys.modules) if "." not in name and name not in ("torch", "piecegraph")]
+    return tuple(name for name in dict.fromkeys(names) if any(_requires_torch(d) for d in dists.get(name, ())))
+
+
+def _requires_torch(dist: str) -> bool:
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return False
+    # "torch>=2.9" counts; "torch ; extra == 'gpu'" (an optional need) and "torchvision" do not
+    return any(re.match(r"torch(?![\w.-])", r) and "extra" not in r.partition(";")[2] for r in requires)
+
+
+def import_libraries(names: tuple[str, ...] | list[str]) -> None:
+    """Import each of ``names`` not imported yet (see :func:`torch_libraries`); one that fails is logged and
+    skipped (the load then runs as it would have without it)."""
+    for name in names:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # noqa: BLE001  (any import error: the load goes on without it)
+                log.info("piecegraph: %s, imported by the start that made the packages, does not import here "
+                         "(%s: %s)", name, type(err).__name__, err)
 
 
 def can_load() -> bool:
@@ -86,6 +133,7 @@ def load_packaged(record: PackagedProgram, folder: Path, config: Config, device_
     then compiles)."""
     if record.format != FORMAT or record.torch_version != torch.__version__:
         raise LookupError(f"packaged program of format {record.format}, torch {record.torch_version}")
+    import_libraries(getattr(record, "libraries", ()))  # a record pickled before stop 48 has none
     specs = [dataclasses.replace(spec, device_index=device_index) if spec.device_index >= 0
              and device_index is not None else spec for spec in record.units]
     units = [PackagedUnit(folder / spec.file, spec) for spec in specs]

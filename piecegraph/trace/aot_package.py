@@ -23,7 +23,7 @@ import torch
 
 from ..program import Program
 from .aot_job import UnitJob, describe_unit, package_unit
-from .aot_load import PROGRAM_FIELDS, PackagedProgram, PackagedUnit
+from .aot_load import PROGRAM_FIELDS, PackagedProgram, PackagedUnit, torch_libraries
 
 log = logging.getLogger("piecegraph")
 PROGRAM_FILE = "packaged.pkl"
@@ -121,7 +121,8 @@ class PackageRecorder:
         whole = program.call is program.pieces[0] if program.pieces else False
         record = PackagedProgram(
             units=[job.spec for job, _ in self.units], pieces=pieces, skeleton=None if whole else self.skeleton,
-            fields={name: getattr(program, name) for name in PROGRAM_FIELDS}, memory=memory)
+            fields={name: getattr(program, name) for name in PROGRAM_FIELDS}, memory=memory,
+            libraries=torch_libraries())
         if not whole and record.skeleton is None:
             return None
         if self.background:

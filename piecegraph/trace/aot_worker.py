@@ -7,8 +7,11 @@ start loads them. It runs on its own (a new session): it finishes even when the 
 
 The worker imports the modules that define the custom ops the units call (found by
 :func:`~piecegraph.trace.aot_job.op_modules`); ops defined in a script run as ``__main__`` are not importable, and
-such a program is not packaged (said in the report). Its state and output are under the cache folder
-(:mod:`piecegraph.cache.packaging`); a job that failed is not tried again for the same trace and torch.
+such a program is not packaged (said in the report). Before them it imports the torch libraries the start had
+imported (:func:`~piecegraph.trace.aot_load.torch_libraries`, FlashInfer among them): torch's package loader
+crashed in fresh processes without FlashInfer on the H100 and H200. Its state and output are under the cache
+folder (:mod:`piecegraph.cache.packaging`); a job that failed is not tried again for the same trace, torch and
+worker revision.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from ..cache.packaging import (
     INLINE_INSTEAD,
+    WORKER_REVISION,
     crashed_worker,
     held,
     job_path,
@@ -44,6 +48,7 @@ from ..cache.packaging import (
 from ..cache.session import TRACE, inductor_dir
 from ..cache.store import Store
 from .aot_job import UnitJob, op_modules, package_unit
+from .aot_load import import_libraries
 from .aot_package import PROGRAM_FILE, PackagedPlan
 
 log = logging.getLogger("piecegraph")
@@ -71,7 +76,7 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     before = read_state(root, key) or {}
     # A failure is the code's, so it would fail again; but memory is the machine's at the time: that one retries.
     if before.get("state") == "failed" and before.get("trace_sha") == sha and before.get("torch") == torch.__version__ \
-            and "OutOfMemoryError" not in str(before.get("why")):
+            and before.get("worker") == WORKER_REVISION and "OutOfMemoryError" not in str(before.get("why")):
         return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
                 f"{job_path(root, key, '.log')}); `piecegraph cache clear --failed-packaging` makes it try "
                 f"again{'; ' + INLINE_INSTEAD if native_crash(before) else ''}"), False
@@ -83,7 +88,8 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     path = job_path(root, key, ".job", make=True)
     # The start's thread count: Inductor writes CPU code for as many threads as the process that compiles has, and
     # the worker runs its own checks on one (main below), which would make its packages single-threaded.
-    header = {"root": str(root), "key": key, "modules": modules, "codegen_threads": torch.get_num_threads()}
+    header = {"root": str(root), "key": key, "modules": modules, "codegen_threads": torch.get_num_threads(),
+              "libraries": plan.record.libraries}
     path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # piecegraph and the ops' modules, as this process
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
@@ -95,7 +101,7 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     write_state(root, key, state="queued", pid=proc.pid, units=len(plan.jobs), trace_sha=sha,
-                torch=torch.__version__)
+                torch=torch.__version__, worker=WORKER_REVISION)
     return f"packaging {len(plan.jobs)} units in the background (pid {proc.pid})", True
 
 
@@ -108,7 +114,7 @@ def run_job(path: Path) -> str:
     with held(root, key) as mine:
         if not mine:
             return "skipped (another worker holds the entry)"
-        common: dict[str, Any] = {"pid": os.getpid(), "torch": torch.__version__}
+        common: dict[str, Any] = {"pid": os.getpid(), "torch": torch.__version__, "worker": WORKER_REVISION}
         write_state(root, key, state="running", **common)
         start = time.perf_counter()
 
@@ -122,6 +128,7 @@ def run_job(path: Path) -> str:
             return state
 
         try:
+            import_libraries(header.get("libraries", ()))  # as the start had them: the loader crashed without
             for module in header["modules"]:
                 importlib.import_module(module)  # the ops the units call, before their code is unpickled
             job: PackagingJob = pickle.loads(payload)

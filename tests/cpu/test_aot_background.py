@@ -19,7 +19,7 @@ import piecegraph
 from piecegraph.attention import KVCache
 from piecegraph.cache import Store
 from piecegraph.cache.command import cache_app
-from piecegraph.cache.packaging import read_state, wait_packaging, write_state
+from piecegraph.cache.packaging import WORKER_REVISION, read_state, wait_packaging, write_state
 from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 from piecegraph.trace.aot_job import describe_unit, op_modules
 from piecegraph.trace.aot_load import PackagedProgram
@@ -317,7 +317,7 @@ def test_a_worker_that_dies_by_a_signal_is_named_so_and_no_worker_starts_again_w
     proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
     trace = b"the entry's trace"
     write_state(tmp_path, "k" * 32, state="running", pid=proc.pid, units=1, torch=torch.__version__,
-                trace_sha=hashlib.sha256(trace).hexdigest())
+                trace_sha=hashlib.sha256(trace).hexdigest(), worker=WORKER_REVISION)
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped: running() reaps it
     from piecegraph.cache.packaging import running
 
@@ -333,14 +333,15 @@ def test_a_worker_that_dies_by_a_signal_is_named_so_and_no_worker_starts_again_w
     assert read_state(tmp_path, "k" * 32)["pid"] == proc.pid and read_state(tmp_path, "o" * 32) is None
     shown = CliRunner().invoke(cache_app, ["info", "--dir", str(tmp_path)]).output
     assert f"no background packaging with torch {torch.__version__}: a worker crashed" in shown, shown
-    # Another torch, or the crash forgotten: workers start again
-    def crashed_with(version: str) -> None:
+    # Another torch, an older worker (one a fix since may have mended), or the crash forgotten: workers start again
+    def crashed_with(version: str, worker: int = WORKER_REVISION) -> None:
         state = {k: v for k, v in read_state(tmp_path, "k" * 32).items() if k not in ("key", "updated")}
-        write_state(tmp_path, "k" * 32, **{**state, "torch": version})
+        write_state(tmp_path, "k" * 32, **{**state, "torch": version, "worker": worker})
 
-    crashed_with("0.0")
-    assert start_worker(tmp_path, "o" * 32, trace, _failing_plan())[1]
-    wait_packaging(tmp_path, timeout=300)
+    for other, version, worker in (("o", "0.0", WORKER_REVISION), ("p", torch.__version__, WORKER_REVISION - 1)):
+        crashed_with(version, worker)
+        assert start_worker(tmp_path, other * 32, trace, _failing_plan())[1]
+        wait_packaging(tmp_path, timeout=300)
     crashed_with(torch.__version__)
     assert "k" * 32 in CliRunner().invoke(cache_app, ["clear", "--failed-packaging", "--dir", str(tmp_path)]).output
     assert start_worker(tmp_path, "k" * 32, trace, _failing_plan())[1]
