@@ -22,7 +22,9 @@
 # (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "loader-probe" packages one decode unit in a setup and by the
 # background worker, and prefill pieces by the worker, loads each in fresh processes, takes the first crash's backtrace,
 # rebuilds the workers' jobs several ways and diffs the generated code (scripts/package_load_probe.py: the worker's
-# SIGSEGV on the H200; PROBE_BUDGET_S caps it, default 420 s; run it on its own call, with BUNDLE);
+# SIGSEGV on the H200; PROBE_BUDGET_S caps it, default 420 s; run it on its own call, with BUNDLE); "loader-imports"
+# packages one small function and loads it after importing torch alone, tvm_ffi, flashinfer.jit or FlashInfer
+# (the loader crashed without FlashInfer, stop 48), and says which libstdc++ each process maps;
 # "aoti-probe" packages a block with AOTInductor and loads it
 # in a fresh process without Dynamo or Inductor (scripts/aoti_warm_probe.py); "startup-profile" profiles a warm and a cold start
 # (scripts/start_once.py under cProfile) and times a warm start with TORCHINDUCTOR_COMPILE_THREADS=1. "serve-profile" profiles an engine's steps on the 0.5B
@@ -278,21 +280,12 @@ if has startup-engine; then  # issue 24's targets, for the engine itself: one sh
       for k, m in r['modules'].items()}, r['tokens'][0][:6])" "$OUT/engine_$1.json" 2>&1 | tail -1)"
     cat "$2"/packaging/*.log >"$OUT/engine_$1_packaging.log" 2>/dev/null || true
   }
-  AOT=0 engine jit_first /tmp/pg-engine-first  # FlashInfer's kernels built here: the starts below do not build
+  # FlashInfer's kernels built here: the starts below do not build (ENGINE_NO_JIT_FIRST=1: the cold start builds
+  # them, and its stats' jit_build_s says how long)
+  [ -n "${ENGINE_NO_JIT_FIRST:-}" ] || AOT=0 engine jit_first /tmp/pg-engine-first
   engine cold /tmp/pg-engine
-  python3 -m piecegraph.cli cache wait --dir /tmp/pg-engine --timeout 300 >"$OUT/engine_wait.log" 2>&1
+  python3 -m piecegraph.cli cache wait --dir /tmp/pg-engine --timeout "${ENGINE_WAIT_S:-300}" >"$OUT/engine_wait.log" 2>&1
   engine warm /tmp/pg-engine
-  if [ -n "${LOAD_BISECT:-}" ]; then  # which import a package load needs (stop 48: FlashInfer's; which part of it)
-    package=$(find /tmp/pg-engine -name 'unit0.pt2' | head -1)
-    for mods in "" tvm_ffi flashinfer.jit flashinfer; do
-      timeout 120 python3 scripts/package_load_probe.py load "$mods,piecegraph.attention.op" "$package" \
-        >"$OUT/load_${mods:-none}.log" 2>&1
-      echo "load after importing [${mods:-nothing}]: rc=$? $(tail -1 "$OUT/load_${mods:-none}.log")"
-    done
-    python3 -c "import torch; print(open('/proc/self/maps').read())" | grep -o '/[^ ]*libstdc[^ ]*' | sort -u
-    python3 -c "import torch, flashinfer; print(open('/proc/self/maps').read())" | grep -o '/[^ ]*libstdc[^ ]*' | sort -u
-    g++ --version | head -1; which g++; ls /usr/bin/g++* 2>/dev/null
-  fi
   [ -n "${ENGINE_NO_PLAIN:-}" ] || \
     AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults, no packages
   rm -rf /tmp/pg-engine-first /tmp/pg-engine /tmp/pg-engine-plain
@@ -321,6 +314,19 @@ if has swap-bench; then  # issue 24: one engine's decode on the pieces' program,
   tail -1 "$OUT/swap_bench.log"
   cat /tmp/pg-swap/packaging/*.log >"$OUT/swap_bench_packaging.log" 2>/dev/null || true
   rm -rf /tmp/pg-swap
+fi
+if has loader-imports; then  # which import a package load needs (stop 48: FlashInfer's), on one small package
+  python3 scripts/package_load_probe.py tiny /tmp/pg-tiny.pt2 >"$OUT/tiny_build.log" 2>&1
+  echo "small package built: rc=$?"
+  for mods in "" tvm_ffi flashinfer.jit flashinfer; do
+    timeout 120 python3 scripts/package_load_probe.py load "$mods" /tmp/pg-tiny.pt2 >"$OUT/load_${mods:-none}.log" 2>&1
+    echo "load after importing torch and [${mods:-nothing}]: rc=$? $(tail -1 "$OUT/load_${mods:-none}.log")"
+  done
+  for mods in torch "tvm_ffi, torch" "torch, flashinfer"; do
+    echo "libstdc++ mapped after import $mods: $(python3 -c "import $mods; print(open('/proc/self/maps').read())" \
+      | grep -o '/[^ ]*libstdc[^ ]*' | sort -u | tr '\n' ' ')"
+  done
+  echo "g++: $(which g++) $(g++ -dumpfullversion); libstdc++ it links: $(g++ -print-file-name=libstdc++.so.6)"
 fi
 if has loader-probe; then  # issue 24: why the worker's packages crash torch's package loader (stop 46)
   # PROBE_BUDGET_S: the probe skips its remaining steps past it (one device call holds at most 600 s)

@@ -18,6 +18,8 @@ pieces (no attention op: checked on real examples) by the worker too (``worker_p
   the JSON).
 
     python scripts/package_load_probe.py OUTDIR
+X
+    python scripts/package_load_probe.py load MODULES PACKAGE   # torch, then MODULES (comma-separated), then the load
 
 Prints one JSON line and writes it to OUTDIR/probe.json after every step: each start's ``aot`` line and the
 worker's state, each load's return code (-11 or 139: SIGSEGV) and last line, each rebuild, the backtrace's frames,
@@ -88,6 +90,21 @@ def load(modules: str, package: str) -> None:
         torch.cuda.synchronize()
     torch._C._aoti.AOTIModelPackageLoader(package, "model", True, 1, index)
     print("loaded")
+
+
+def tiny(package: str) -> None:
+    """Child: one small CUDA function (an RMS norm) exported with its row count dynamic and packaged, in a process
+    that imports nothing but torch: the loader's crash needs no op of piecegraph's (prefill pieces crashed too)."""
+    import torch
+
+    class Norm(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    x = torch.randn(8, 64, device="cuda")
+    exported = torch.export.export(Norm(), (x,), dynamic_shapes=({0: torch.export.Dim("rows", min=1)},))
+    torch._inductor.aoti_compile_and_package(exported, package_path=package)
+    print("built")
 
 
 def build(variant: str, job_file: str, folder: str) -> None:
@@ -250,6 +267,8 @@ if __name__ == "__main__":
         start(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "tiny":
+        tiny(sys.argv[2])
     elif sys.argv[1] == "build":
         build(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
