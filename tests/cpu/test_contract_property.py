@@ -11,6 +11,7 @@ import json
 import os
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
@@ -167,3 +168,36 @@ def test_breakable_pads_hidden_by_the_values_are_found(alpha, counts, seed):
     calls = [(n, torch.randn(n, D, generator=gen), torch.randn(D, generator=gen), torch.randn(1, D, generator=gen))
              for n in counts]
     _check_mode(model, "breakable", calls)
+
+
+class RangeChecked(torch.nn.Module):
+    """A Linear, after a check on the host that refuses inputs out of range: large pad rows make it raise."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(D, D)
+
+    def forward(self, x, scale, row):
+        if bool((x.abs() > 20).any()):
+            raise ValueError("an input is out of range")
+        return self.first(x) * scale
+
+
+def test_breakable_drops_a_size_whose_large_pad_run_raises_and_still_answers_as_eager():
+    """The pad-dependence run of a breakable size (large pad rows, no graphs) can break a program that checks its
+    inputs: that is taken as rows mixing, so the size is dropped with the usual warning; the call still gives
+    eager's answer and leaves the caller's tensors as they were."""
+    model = RangeChecked().eval()
+    graphed = _compile(model, "breakable")
+    gen = torch.Generator().manual_seed(0)
+    x, scale, row = torch.randn(11, D, generator=gen), torch.randn(D, generator=gen), torch.randn(1, D, generator=gen)
+    kept = [t.clone() for t in (x, scale, row)]
+    with torch.no_grad(), piecegraph.forward_context({"n": 11}):
+        want = model(x, scale, row)
+    with pytest.warns(UserWarning, match=r"size 16 replayed on fresh inputs differs .* \(rel. error inf"):
+        with piecegraph.forward_context({"n": 11}):
+            got = graphed(x, scale, row)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(t, k) for t, k in zip((x, scale, row), kept))
+    assert graphed.stats()["dropped_sizes"] == {16: float("inf")}
