@@ -18,7 +18,7 @@ pieces (no attention op: checked on real examples) by the worker too (``worker_p
   the JSON).
 
     python scripts/package_load_probe.py OUTDIR
-X
+    python scripts/package_load_probe.py tiny PACKAGE           # one small function packaged
     python scripts/package_load_probe.py load MODULES PACKAGE   # torch, then MODULES (comma-separated), then the load
 
 Prints one JSON line and writes it to OUTDIR/probe.json after every step: each start's ``aot`` line and the

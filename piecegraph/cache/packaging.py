@@ -130,9 +130,8 @@ def native_crash(state: dict[str, Any]) -> bool:
 
 def crashed_worker(root: str | Path, torch_version: str) -> dict[str, Any] | None:
     """The last state of a worker under ``root`` (of this :data:`WORKER_REVISION`) that crashed in native code
-    with this torch, or ``None``. A
-    worker of another entry would likely crash the same way: on the H200 with torch 2.11, torch's package loader
-    crashed every worker, whatever the entry."""
+    with this torch, or ``None``. A worker of another entry would likely crash the same way: on the H200 with
+    torch 2.11, torch's package loader crashed every worker, whatever the entry."""
     folder = Path(root) / FOLDER
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
         state = read_state(root, path.stem) or {}
