@@ -289,7 +289,10 @@ def package_recorder(config: Config, values: dict[str, Any], entry: CacheEntry) 
     """A recorder for a start that compiles and should leave packages in the cache entry, else ``None``."""
     if not entry.enabled or entry.scratch is None or not wants_packages(config, values):
         return None
-    return PackageRecorder(entry.scratch / "aot", background=config.aot_background)
+    # A setup loads its packages in the caller's process: on CUDA, where torch's loader crashed processes without
+    # FlashInfer (stop 48), the first is loaded in a fresh process first (the worker is such a process itself)
+    probe = not config.aot_background and cuda_index(values) is not None
+    return PackageRecorder(entry.scratch / "aot", background=config.aot_background, probe_loads=probe)
 
 
 def packaged_record(config: Config, values: dict[str, Any], entry: CacheEntry) -> PackagedProgram | None:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
+import os
+import signal
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .aot_load import PackagedUnit, UnitSpec
+from .aot_load import PackagedUnit, UnitSpec, torch_libraries
 from .static import concrete_size, returns_one_value
 
 EXAMPLE_TOKENS = 17  # examples' token count when the trace's is unknown: not 0 or 1 (export would specialise it)
@@ -86,13 +90,19 @@ def describe_unit(sub: torch.fx.GraphModule, fakes: list[Any], has_split_op: boo
                    uninitialized_outputs(sub))
 
 
-def package_unit(job: UnitJob, folder: Path) -> PackagedUnit:
+def package_unit(job: UnitJob, folder: Path, probe: bool = False) -> PackagedUnit:
     """``job``'s unit exported (token count dynamic), packaged into ``folder / job.spec.file`` by AOTInductor
     (:func:`build_package`), loaded, and (``job.checked``) checked against its code run eagerly on the same
-    examples (:func:`check_unit`). Raises what export, AOTInductor or the check raise."""
+    examples (:func:`check_unit`). ``probe``: first loaded in a fresh process (:func:`load_fails_elsewhere`), and
+    ``RuntimeError`` if it fails there, so that a loader that crashes takes down that process, not this one.
+    Raises what export, AOTInductor or the check raise."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     args = build_package(job, folder)
+    if probe and (why := load_fails_elsewhere(folder / job.spec.file, job.spec.device_index,
+                                              torch_libraries(), op_modules([job.graph]))):
+        raise RuntimeError(f"the package fails torch's loader in a fresh process ({why}), so it is not loaded in "
+                           "this one")
     with unset_fake_temporarily(), torch._guards.tracing(None):
         unit = PackagedUnit(folder / job.spec.file, job.spec)
         if job.checked:
@@ -115,6 +125,40 @@ def build_package(job: UnitJob, folder: Path) -> list[Any]:
         folder.mkdir(parents=True, exist_ok=True)
         torch._inductor.aoti_compile_and_package(exported, package_path=str(folder / job.spec.file))
     return args
+
+
+_LOAD_IN_A_CHILD = """
+import importlib, json, sys
+import torch
+from piecegraph.trace.aot_load import import_libraries
+import_libraries(json.loads(sys.argv[3]))
+for module in json.loads(sys.argv[4]):
+    importlib.import_module(module)
+torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], "model", True, 1, int(sys.argv[2]))
+"""
+
+
+def load_fails_elsewhere(path: Path, device_index: int, libraries: Iterable[str], modules: Iterable[str]
+                         ) -> str | None:
+    """Why torch's loader fails on the package at ``path`` in a fresh process that imported torch, then
+    ``libraries`` and ``modules`` (as a warm start and the worker have them): ``"ended by SIGSEGV"`` and the like,
+    or the error's last line; ``None`` when it loads. Costs a process start (torch's import, seconds)."""
+    ran = subprocess.run([sys.executable, "-c", _LOAD_IN_A_CHILD, str(path), str(device_index),
+                          json.dumps(list(libraries)), json.dumps(list(modules))],
+                         capture_output=True, text=True, env=child_environment(), timeout=600)
+    if ran.returncode == 0:
+        return None
+    if ran.returncode < 0:
+        return f"ended by {signal.Signals(-ran.returncode).name}"
+    lines = ran.stderr.strip().splitlines()
+    return lines[-1][:300] if lines else f"exit code {ran.returncode}"
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment with its import path (piecegraph and the ops' modules) as ``PYTHONPATH``: what
+    a process of piecegraph's own (the worker, a load check) needs to import what this one did."""
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
 
 
 def op_modules(graphs: Iterable[torch.fx.GraphModule]) -> list[str]:

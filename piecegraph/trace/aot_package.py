@@ -44,9 +44,10 @@ class PackageRecorder:
     :func:`~piecegraph.trace.backend.build_program` compiles them, into ``folder``; :meth:`finish` hands the cache
     the plan. ``why_not`` says why it stopped."""
 
-    def __init__(self, folder: str | Path, background: bool = False):
+    def __init__(self, folder: str | Path, background: bool = False, probe_loads: bool = False):
         self.folder = Path(folder)
         self.background = background
+        self.probe_loads = probe_loads  # load the first package in a fresh process before this one (a crash there)
         self.units: list[tuple[UnitJob, Callable[..., Any]]] = []  # each unit's job and what runs it here
         self.pending: UnitJob | None = None  # described in the background, waiting for its compiled code
         self.skeleton: bytes | None = None
@@ -82,7 +83,7 @@ class PackageRecorder:
             if self.background:
                 self.pending = job
                 return None
-            unit = package_unit(job, self.folder)
+            unit = package_unit(job, self.folder, probe=self.probe_loads and not self.units)  # one loader: once
             self.units.append((job, unit))
             return unit
         except Exception as err:  # noqa: BLE001  (export and AOTInductor raise many types; each means: compile)

@@ -47,7 +47,7 @@ from ..cache.packaging import (
 )
 from ..cache.session import TRACE, inductor_dir
 from ..cache.store import Store
-from .aot_job import UnitJob, op_modules, package_unit
+from .aot_job import UnitJob, child_environment, op_modules, package_unit
 from .aot_load import import_libraries
 from .aot_package import PROGRAM_FILE, PackagedPlan
 
@@ -91,8 +91,7 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     header = {"root": str(root), "key": key, "modules": modules, "codegen_threads": torch.get_num_threads(),
               "libraries": plan.record.libraries}
     path.write_bytes(pickle.dumps((header, pickle.dumps(job))))
-    paths = [p for p in sys.path if p and os.path.isdir(p)]  # piecegraph and the ops' modules, as this process
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = child_environment()
     # Half the cores' compile processes at most (the user's setting wins): the start keeps the rest
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
     # The log of this job only, as the state is its only (no other worker runs: checked above)

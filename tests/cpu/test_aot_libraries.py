@@ -14,7 +14,7 @@ import torch
 
 from piecegraph.cache import Store
 from piecegraph.cache.packaging import read_state, wait_packaging
-from piecegraph.trace.aot_job import describe_unit
+from piecegraph.trace.aot_job import describe_unit, load_fails_elsewhere
 from piecegraph.trace.aot_load import PackagedProgram, import_libraries, torch_libraries
 from piecegraph.trace.aot_package import PackagedPlan
 from piecegraph.trace.aot_worker import start_worker
@@ -83,3 +83,29 @@ def test_the_worker_imports_the_starts_torch_libraries_before_it_packages(tmp_pa
     state = wait_packaging(root, timeout=300)[key]
     assert state["state"] == "failed" and state["why"] == "RuntimeError: kernels_pg imported: True", state
     assert read_state(root, key)["trace_sha"] == hashlib.sha256(b"trace").hexdigest()
+
+
+def test_a_load_checked_in_a_fresh_process_names_the_signal_that_ended_it(tmp_path, monkeypatch):
+    (tmp_path / "crash_pg.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the child's import path is this process's
+    assert load_fails_elsewhere(tmp_path / "unit0.pt2", -1, ["crash_pg"], []) == "ended by SIGSEGV"
+
+
+def test_a_setup_that_checks_its_first_load_elsewhere_compiles_as_usual_when_it_fails(tmp_path, monkeypatch):
+    """On CUDA a setup packaging in its own process (``aot_background=False``) loads its first package in a
+    fresh process first: torch's loader crashed processes without FlashInfer there, and this one is the caller's.
+    A package that fails there is not loaded here; the unit compiles as usual, the reason kept."""
+    from piecegraph.trace import aot_job
+    from piecegraph.trace.aot_package import PackageRecorder
+
+    def build(job, folder):  # no AOTInductor build on CI: a file the loader refuses stands in
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / job.spec.file).write_bytes(b"not a package")
+        return []
+
+    monkeypatch.setattr(aot_job, "build_package", build)
+    recorder = PackageRecorder(tmp_path / "aot", probe_loads=True)
+    traced = torch.fx.symbolic_trace(lambda x: x.relu() * 2)
+    assert recorder.compile(traced, [torch.zeros(4, 3)], False) is None
+    assert recorder.why_not.startswith("RuntimeError: the package fails torch's loader in a fresh process ("), \
+        recorder.why_not
