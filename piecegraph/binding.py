@@ -18,7 +18,7 @@ import torch
 
 from .outputs import pack_spec, packer_of, side_outputs, unpack_single
 from .program import ArgSpec, InputKind, describe, token_arguments
-from .trace.backend import UnsupportedGraph
+from .trace.inputs import UnsupportedGraph
 
 log = logging.getLogger("piecegraph")
 

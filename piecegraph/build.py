@@ -25,7 +25,8 @@ from .program import Program, TokenCountMismatch
 from .runner import FlatRunner
 from .trace.aot_load import PackagedProgram, can_load, load_packaged
 from .trace.aot_package import PROGRAM_FILE, PackageRecorder
-from .trace.backend import build_program, graph_memory, placeholder_facts
+from .trace.backend import build_program, graph_memory
+from .trace.inputs import placeholder_facts
 from .trace.snapshot import (
     GraphSnapshot,
     attribute_digest,

@@ -13,10 +13,18 @@ from ..config import Config
 from ..graphs.capture import GraphedPiece
 from ..graphs.memory import GraphMemory, estimate_graph_memory
 from ..ops.split import split_op_names
-from ..program import CaptureState, InputKind, PieceInfo, Program
+from ..program import CaptureState, PieceInfo, Program
 from .aot_load import bind_pieces
 from .aot_package import PackageRecorder
 from .handover import CompiledPieces, cut_fingerprint, offer, take
+from .inputs import (
+    UnsupportedGraph,
+    classify_inputs,
+    fake_value,
+    token_outputs,
+    token_symbols,
+    traced_token_count,
+)
 from .mixing import MixingOp, find_token_mixing
 from .mutation import mutated_inputs
 from .same_pieces import fresh_outputs, piece_key
@@ -24,128 +32,6 @@ from .split import split_graph
 from .static import compile_static, returns_one_value
 
 log = logging.getLogger("piecegraph")
-
-
-class UnsupportedGraph(RuntimeError):
-    """The traced graph has a shape piecegraph cannot bucket (a second dynamic dimension, say); ``input`` names
-    the graph input (its Dynamo source name) when one is to blame."""
-
-    def __init__(self, message: str, input: str | None = None):
-        super().__init__(message)
-        self.input = input
-
-
-def _fake(node: torch.fx.Node) -> Any:
-    """The trace's fake value of ``node`` (symbolic sizes); for a placeholder without one, Dynamo's own fake of
-    that input (``grapharg.fake_tensor``), never a fake made anew from the real input (constant sizes)."""
-    value = node.meta.get("example_value", node.meta.get("val"))
-    if value is None and node.op == "placeholder":
-        value = getattr(node.meta.get("grapharg"), "fake_tensor", None)
-    return value
-
-
-def _token_symbols(fakes: list[Any], token_dim: int) -> frozenset[Any]:
-    """The symbols of the token dimension: one per input Dynamo could not relate to the others (an input that
-    only meets the rest inside an opaque op gets its own); the runner checks they agree at every call."""
-    symbols = set()
-    for fake in fakes:
-        if isinstance(fake, torch.Tensor) and fake.dim() > token_dim:
-            size = fake.shape[token_dim]
-            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                symbols.add(size.node.expr)
-    return frozenset(symbols)
-
-
-def _classify_inputs(
-    placeholders: list[torch.fx.Node], token_dim: int
-) -> tuple[list[InputKind], Any, list[str], list[int]]:
-    """Each input's kind, the token symbols, the inputs' source names, and which inputs are the caller's (not
-    module state): those the runner stages into buffers of its own when they are not token inputs."""
-    fakes = [_fake(n) for n in placeholders]
-    sym = _token_symbols(fakes, token_dim)
-    names = [_source_name(n) for n in placeholders]
-    caller = [i for i, (n, f) in enumerate(zip(placeholders, fakes))
-              if isinstance(f, torch.Tensor) and not _is_module_state(n, f)]
-    static_count = None if sym else _static_token_count(placeholders, fakes, caller, token_dim)
-    kinds = []
-    for i, (name, fake) in enumerate(zip(names, fakes)):
-        if isinstance(fake, torch.SymInt):
-            if fake.node.expr not in sym:
-                raise UnsupportedGraph(
-                    f"graph input {name} is a symbolic size other than the token count; piecegraph buckets one "
-                    "dynamic dimension (Config.token_dim). Mark only the token dimension dynamic."
-                )
-            kinds.append(InputKind.COUNT)
-        elif isinstance(fake, torch.Tensor) and sym and _is_token_tensor(fake, token_dim, sym):
-            kinds.append(InputKind.TOKENS)
-        elif i in caller and static_count is not None and fake.dim() > token_dim and (
-                fake.shape[token_dim] == static_count):
-            kinds.append(InputKind.TOKENS)
-        else:
-            if isinstance(fake, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in fake.shape):
-                raise UnsupportedGraph(
-                    f"graph input {name} has symbolic shape {tuple(fake.shape)}: only dim {token_dim} may "
-                    "be dynamic, and it must be the token count shared by all inputs. If it is not token-aligned, "
-                    "name it in Config(static_inputs=...).", input=name,
-                )
-            kinds.append(InputKind.STATIC)
-    return kinds, sym, names, caller
-
-
-def _source_name(node: torch.fx.Node) -> str:
-    grapharg = node.meta.get("grapharg")
-    name = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
-    return name() if callable(name) else name  # Source.name is a method in older torch, a property in newer
-
-
-def _is_module_state(node: torch.fx.Node, fake: torch.Tensor) -> bool:
-    """A parameter, buffer or tensor attribute of a module, as Dynamo marks them (a static address), whatever
-    the module or its ``self`` is called; it keeps its address across calls and is never staged."""
-    if (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type") is not None:
-        return True
-    grapharg = node.meta.get("grapharg")
-    example = getattr(grapharg, "example", None) if grapharg is not None else None
-    return isinstance(example, torch.nn.Parameter) or isinstance(fake, torch.nn.Parameter)
-
-
-def _static_token_count(placeholders: list[torch.fx.Node], fakes: list[Any], caller: list[int],
-                        token_dim: int) -> int | None:
-    """The token count of a static trace: the token-dim size most of the caller's local arguments share (ties:
-    the first argument's). Only the call's own arguments count, never module state or globals."""
-    sizes = [fakes[i].shape[token_dim] for i in caller
-             if fakes[i].dim() > token_dim and _is_local_argument(placeholders[i])]
-    if not sizes:
-        return None
-    return max(sizes, key=lambda s: (sizes.count(s), -sizes.index(s)))
-
-
-def _is_local_argument(node: torch.fx.Node) -> bool:
-    from torch._dynamo.source import is_from_local_source
-
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    return source is not None and is_from_local_source(source, only_allow_input=True)
-
-
-def _is_token_tensor(fake: torch.Tensor, token_dim: int, sym: Any) -> bool:
-    if fake.dim() <= token_dim:
-        return False
-    size = fake.shape[token_dim]
-    return isinstance(size, torch.SymInt) and size.node.expr in sym
-
-
-def _token_outputs(gm: torch.fx.GraphModule, token_dim: int, sym: Any, num_tokens: int | None) -> list[bool]:
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    flags = []
-    for arg in output.args[0]:
-        fake = _fake(arg) if isinstance(arg, torch.fx.Node) else None
-        if not isinstance(fake, torch.Tensor) or fake.dim() <= token_dim:
-            flags.append(False)
-        elif sym:
-            flags.append(_is_token_tensor(fake, token_dim, sym))
-        else:
-            flags.append(num_tokens is not None and fake.shape[token_dim] == num_tokens)
-    return flags
 
 
 def _compile_piece(sub: torch.fx.GraphModule, fake_args: list[Any], compiler: str,
@@ -253,8 +139,8 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     yet; a piecewise program offers its compiled pieces in ``Program.offered``.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    kinds, sym, names, caller = _classify_inputs(placeholders, config.token_dim)
-    fake_args = [_fake(n) for n in placeholders]
+    kinds, sym, names, caller = classify_inputs(placeholders, config.token_dim)
+    fake_args = [fake_value(n) for n in placeholders]
     fake_mode = next((a.fake_mode for a in fake_args if hasattr(a, "fake_mode")), None)
     if fake_mode is None:
         fake_mode = detect_fake_mode(example_inputs)
@@ -266,7 +152,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
                  for a, x in zip(fake_args, example_inputs)]
     if missing:
         log.debug("piecegraph: no fake value recorded for graph inputs %s; made from the real ones", missing)
-    num_tokens = None if sym else _traced_token_count(example_inputs, kinds, config.token_dim)
+    num_tokens = None if sym else traced_token_count(example_inputs, kinds, config.token_dim)
     # The ops working along the token dimension: they decide padding (below) and static code ("reductions")
     wanted = sym and (config.token_mixing != "pad" or config.compile_sizes == "reductions")
     found = find_token_mixing(gm, sym) if wanted else []
@@ -318,7 +204,7 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         pieces=pieces,
         infos=infos,
         kinds=kinds,
-        token_outputs=_token_outputs(gm, config.token_dim, sym, num_tokens),
+        token_outputs=token_outputs(gm, config.token_dim, sym, num_tokens),
         dynamic=bool(sym),
         names=names,
         caller_inputs=caller,
@@ -362,22 +248,13 @@ def _compiled_by_pieces(gm: torch.fx.GraphModule, fake_args: list[Any], fake_mod
     return bind_pieces(split_gm, infos, compiled), False
 
 
-def placeholder_facts(gm: torch.fx.GraphModule) -> tuple[list[Any], list[str], list[bool]]:
-    """Each placeholder's fake, Dynamo source name and whether it is module state: what a graph snapshot
-    (trace/snapshot.py) records of Dynamo's metadata."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fakes = [_fake(n) for n in placeholders]
-    return (fakes, [_source_name(n) for n in placeholders],
-            [isinstance(f, torch.Tensor) and _is_module_state(n, f) for n, f in zip(placeholders, fakes)])
-
-
 def graph_memory(gm: torch.fx.GraphModule, config: Config) -> GraphMemory | None:
     """The graphs' memory per capture size, estimated from ``gm`` before it is split or compiled (see
     graphs/memory.py); ``None`` for a mode without graphs or a static trace (one size, known at its capture)."""
     if config.mode not in ("piecewise", "full"):
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sym = _token_symbols([_fake(n) for n in placeholders], config.token_dim)
+    sym = token_symbols([fake_value(n) for n in placeholders], config.token_dim)
     if not sym:
         return None
     return estimate_graph_memory(gm, sym, config.sizes, split_op_names(config.split_ops), config.compiler,
@@ -396,9 +273,3 @@ def _token_mixing(found: list[MixingOp], config: Config) -> list[MixingOp]:
             "capture exact token counts only, or move the op into a split op."
         )
     return found
-
-
-def _traced_token_count(example_inputs: list[Any], kinds: list[InputKind], token_dim: int) -> int | None:
-    counts = {x.shape[token_dim] for x, k in zip(example_inputs, kinds)
-              if k is InputKind.TOKENS and x.dim() > token_dim}
-    return counts.pop() if len(counts) == 1 else None

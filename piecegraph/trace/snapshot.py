@@ -348,7 +348,7 @@ class _Source:
 
 @dataclass
 class _Arg:
-    """What :func:`~piecegraph.trace.backend` reads of Dynamo's ``GraphArg``: the source's name."""
+    """What :mod:`~piecegraph.trace.inputs` reads of Dynamo's ``GraphArg``: the source's name."""
 
     source: _Source
     example: Any = None

@@ -74,7 +74,7 @@ class TensorScale(torch.nn.Module):
 
 
 def _traced(model: torch.nn.Module, n: int = 6):
-    from piecegraph.trace.backend import _token_symbols
+    from piecegraph.trace.inputs import token_symbols
 
     graphs = []
 
@@ -88,7 +88,7 @@ def _traced(model: torch.nn.Module, n: int = 6):
     torch._dynamo.reset()
     gm = graphs[0]
     fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
-    return gm, _token_symbols(fakes, 0)
+    return gm, token_symbols(fakes, 0)
 
 
 @pytest.mark.parametrize("on_cuda", [True, False])
