@@ -143,13 +143,17 @@ def test_every_mode_is_eager_or_an_error(ops, counts, mode, seed):
 
 class SaturatedSum(torch.nn.Module):
     """A Linear (pad rows then hold its bias), then ``h * tanh(alpha * h.sum())``: a sum over every token whose
-    effect on the answer the tanh may hide, for some calls (saturated) and not for others."""
+    effect on the answer the tanh may hide, for some calls (saturated) and not for others. ``centered``: the
+    weights sum to zero, so a pad row holding one value in every feature adds nothing but the bias to the sum."""
 
-    def __init__(self, alpha: float, seed: int):
+    def __init__(self, alpha: float, seed: int, centered: bool = False):
         super().__init__()
         torch.manual_seed(seed)
         self.alpha = alpha
         self.first = torch.nn.Linear(D, D)
+        if centered:
+            with torch.no_grad():
+                self.first.weight -= self.first.weight.mean()
 
     def forward(self, x, scale, row):
         h = self.first(x)
@@ -157,13 +161,18 @@ class SaturatedSum(torch.nn.Module):
 
 
 @settings(max_examples=int(os.environ.get("PIECEGRAPH_PROPERTY_EXAMPLES", "8")), deadline=None)
-@given(alpha=st.sampled_from([0.05, 0.5, 5.0, 50.0]), counts=counts_strategy, seed=st.integers(0, 2**16))
-def test_breakable_pads_hidden_by_the_values_are_found(alpha, counts, seed):
+@given(alpha=st.sampled_from([0.05, 0.5, 5.0, 50.0]), counts=counts_strategy, seed=st.integers(0, 2**16),
+       centered=st.booleans())
+# Found by CI (stop 48): pads of one large value in every feature moved the sum by little when the weights summed
+# to near zero, so size 16 verified at 12 tokens and replayed 1% off at 9; the pads are now random large values
+@example(alpha=0.5, counts=[1, 1, 12, 9], seed=28408, centered=False)
+def test_breakable_pads_hidden_by_the_values_are_found(alpha, counts, seed, centered):
     """Breakable mode has no trace in which to see an op that mixes rows over tokens: only its verification of a
     size's first padded call can. With zero pads, a saturated tanh of the sum hid them (the call verified, a later
-    one at the same size replayed wrong); the pad rows are now also filled with large values of either sign,
-    run without graphs, and a size whose real rows move is dropped. Every call equals eager or raises."""
-    model = SaturatedSum(alpha, seed).eval()
+    one at the same size replayed wrong); the pad rows are now also filled with large random values of either
+    sign (one value in every feature hid them from weights that sum to zero), run without graphs, and a size
+    whose real rows move is dropped. Every call equals eager or raises."""
+    model = SaturatedSum(alpha, seed, centered).eval()
     gen = torch.Generator().manual_seed(seed)
     calls = [(n, torch.randn(n, D, generator=gen), torch.randn(D, generator=gen), torch.randn(1, D, generator=gen))
              for n in counts]
