@@ -233,7 +233,8 @@ class Replayer:
         # pads feed moves both ways), 1000 times the real rows' largest value (10 in half precision, whose range
         # the pads' products would overflow).
         noise = torch.Generator().manual_seed(size)
-        patterns = [{i: torch.randn(rolled[i].narrow(td, 0, size - n).shape, generator=noise) for i in floats}
+        pad_shapes = {i: rolled[i].shape[:td] + (size - n,) + rolled[i].shape[td + 1:] for i in floats}
+        patterns = [{i: torch.randn(shape, generator=noise) for i, shape in pad_shapes.items()}
                     for _ in range(2 if floats else 0)]
         for pattern, sign in [(p, sign) for p in patterns for sign in (1.0, -1.0)]:
             staged = self._stage(rolled, n, size)

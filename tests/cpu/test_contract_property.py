@@ -176,7 +176,7 @@ def test_breakable_pads_hidden_by_the_values_are_found(alpha, counts, seed, cent
     gen = torch.Generator().manual_seed(seed)
     calls = [(n, torch.randn(n, D, generator=gen), torch.randn(D, generator=gen), torch.randn(1, D, generator=gen))
              for n in counts]
-    _check_mode(model, "breakable", calls)
+    assert _check_mode(model, "breakable", calls) == "ok"  # nothing here to refuse: an error is piecegraph's bug
 
 
 class RangeChecked(torch.nn.Module):
