@@ -230,19 +230,16 @@ class Replayer:
         # Random patterns, not one value: a pad row holding one value in every feature is invisible to weights that
         # sum to (near) zero, and one small draw can leave a saturated sum saturated (CI's property test found
         # sizes verified so and wrong at their next call). Two seeded patterns, each with both signs (whatever the
-        # pads feed moves both ways), 1000 times the real rows' largest value (10 in half precision, whose range
-        # the pads' products would overflow).
+        # pads feed moves both ways), large against the real rows (_pad_magnitude).
         noise = torch.Generator().manual_seed(size)
-        pad_shapes = {i: rolled[i].shape[:td] + (size - n,) + rolled[i].shape[td + 1:] for i in floats}
-        patterns = [{i: torch.randn(shape, generator=noise) for i, shape in pad_shapes.items()}
+        bigs = {i: _pad_magnitude(rolled[i]) for i in floats}  # the real rows: an extra run may read them
+        shapes = {i: rolled[i].shape[:td] + (size - n,) + rolled[i].shape[td + 1:] for i in floats}
+        patterns = [{i: torch.randn(shapes[i], generator=noise) * bigs[i] for i in floats}
                     for _ in range(2 if floats else 0)]
         for pattern, sign in [(p, sign) for p in patterns for sign in (1.0, -1.0)]:
             staged = self._stage(rolled, n, size)
             for i in floats:
-                real = staged[i].narrow(td, 0, n)
-                scale = 10.0 if torch.finfo(real.dtype).max < 1e5 else 1000.0
-                big = scale * float(real.abs().max()) + 1.0 if real.numel() else 1.0  # an extra run: may read
-                staged[i].narrow(td, n, size - n).copy_(pattern[i] * (sign * big))
+                staged[i].narrow(td, n, size - n).copy_(pattern[i] * sign)
             try:
                 with self.staging.extra_runs():
                     moved = self.run(staged)
@@ -260,3 +257,12 @@ class Replayer:
         self.table.forget_captures()
         if self.static_context is not None:
             self.static_context.captured.clear()
+
+
+def _pad_magnitude(real: torch.Tensor) -> float:
+    """How large the pad check's pads are for the real rows ``real``: 1000 times their largest value (10 in half
+    precision, whose range the pads' products would overflow), plus one; 1.0 when there are none."""
+    if not real.numel():
+        return 1.0
+    scale = 10.0 if torch.finfo(real.dtype).max < 1e5 else 1000.0
+    return scale * float(real.abs().max()) + 1.0
