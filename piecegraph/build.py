@@ -17,6 +17,7 @@ import torch
 from .adapters.jit_clock import JitBuild
 from .binding import Binding, fresh_entry, scratch_arguments, trace_copies
 from .binding_snapshot import BindingSnapshot, restore_binding, snapshot_binding
+from .cache.packaging import worker_refusal
 from .cache.session import CacheEntry
 from .config import Config
 from .graphs.breakable import build_breakable_program
@@ -293,7 +294,10 @@ def package_recorder(config: Config, values: dict[str, Any], entry: CacheEntry) 
     # A setup loads its packages in the caller's process: on CUDA, where torch's loader crashed processes without
     # FlashInfer (stop 48), the first is loaded in a fresh process first (the worker is such a process itself)
     probe = not config.aot_background and cuda_index(values) is not None
-    return PackageRecorder(entry.scratch / "aot", background=config.aot_background, probe_loads=probe)
+    recorder = PackageRecorder(entry.scratch / "aot", background=config.aot_background, probe_loads=probe)
+    if config.aot_background and entry.root is not None and entry.key is not None:
+        recorder.worker_expected = worker_refusal(entry.root, entry.key, torch.__version__) is None
+    return recorder
 
 
 def packaged_record(config: Config, values: dict[str, Any], entry: CacheEntry) -> PackagedProgram | None:

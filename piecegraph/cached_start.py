@@ -50,12 +50,11 @@ class PendingUpgrade:
     make_inputs: Callable[[int], Any] | None = None
 
 
-def pending_upgrade(config: Any, entry: CacheEntry, values: dict[str, Any]) -> PendingUpgrade | None:
+def pending_upgrade(by_pieces: bool, entry: CacheEntry, values: dict[str, Any]) -> PendingUpgrade | None:
     """The upgrade to wait for after a setup whose entry a worker is packaging, or ``None``: only a full graph
-    compiled by pieces (``full_compile="pieces"``) runs other code than its package will."""
+    compiled by pieces (``by_pieces``: ``Program.by_pieces``) runs other code than its package will."""
     trace = entry.new_trace or entry.trace
-    if config.mode != "full" or config.full_compile != "pieces" or entry.root is None or entry.key is None \
-            or trace is None:
+    if not by_pieces or entry.root is None or entry.key is None or trace is None:
         return None
     now = time.monotonic()
     return PendingUpgrade(entry.root, entry.key, entry.material or {}, trace, cuda_index(values), now,

@@ -191,7 +191,8 @@ class GraphedModule(CachedStart, PackagedUpgrade, torch.nn.Module):
             publish_packages(self._packages, self._runners, self._trace_fixes is None, entry, self._startup.cache)
             self._packages = None
         packaging = start_background_packaging(entry, self._startup.cache)
-        self._upgrade = pending_upgrade(self.config, entry, values) if packaging else None
+        by_pieces = any(runner.program.by_pieces for runner in self._runners)
+        self._upgrade = pending_upgrade(by_pieces, entry, values) if packaging else None
         self._startup.jit.extend(builds)
         self._startup.setup_s = time.perf_counter() - start
         held = hold_routed()  # Dynamo may have traced through another module's automatic opaque routes

@@ -109,6 +109,7 @@ class Program:
     # whether this one took another's instead of compiling (took_pieces)
     offered: Any = None
     took_pieces: bool = False
+    by_pieces: bool = False  # a full graph compiled by pieces (Config.full_compile): its package is swapped in
     # Programs over an eager model (breakable) whose buffers are not inputs: keeps them across extra runs.
     keep_state: Callable[[], ContextManager[None]] | None = None
 

@@ -7,11 +7,12 @@ seconds per phase, each module's ``stats()["startup"]``, the pool's MiB and the 
     python scripts/engine_start.py CACHE_DIR
 
 Unlike ``scripts/start_once.py`` (two modules set up one after the other, each tracing the model), this is the
-engine a server runs, with the engine's own options: PIECEGRAPH_START_FULL_COMPILE=whole|pieces (default pieces,
-``EngineConfig.full_compile``), PIECEGRAPH_START_SHARE_TRACE=0|1 (default 1: the full module builds from the
-piecewise module's trace, ``EngineConfig.share_trace``), PIECEGRAPH_START_AOT=0|1 (``aot_package``; unset: packages
-on CUDA), PIECEGRAPH_START_AOT_BACKGROUND=0 (package in the setup). PIECEGRAPH_START_MODEL=tiny and
-PIECEGRAPH_START_DEVICE=cpu make a dry run (graphs emulated).
+engine a server runs, with the engine's own options: PIECEGRAPH_START_FULL_COMPILE=auto|whole|pieces (default
+auto, ``EngineConfig.full_compile``'s default: by pieces here, where the whole graph is packaged in the
+background), PIECEGRAPH_START_SHARE_TRACE=0|1 (default 1: the full module builds from the piecewise module's trace,
+``EngineConfig.share_trace``), PIECEGRAPH_START_AOT=0|1 (``aot_package``; unset: packages on CUDA),
+PIECEGRAPH_START_AOT_BACKGROUND=0 (package in the setup). PIECEGRAPH_START_MODEL=tiny and PIECEGRAPH_START_DEVICE=cpu
+make a dry run (graphs emulated).
 """
 
 import time
@@ -47,7 +48,7 @@ def main(cache_dir: str) -> None:
         num_pages=64 * 40 + 1, attention_backend=backend, emulate_graphs=not cuda, cache_dir=cache_dir,
         aot_package={"0": False, "1": True}.get(env("PIECEGRAPH_START_AOT", "")),
         aot_background=env("PIECEGRAPH_START_AOT_BACKGROUND", "1") != "0",
-        full_compile=env("PIECEGRAPH_START_FULL_COMPILE", "pieces"),
+        full_compile=env("PIECEGRAPH_START_FULL_COMPILE", "auto"),
         share_trace=env("PIECEGRAPH_START_SHARE_TRACE", "1") != "0")
     engine = Engine(model, config)
     if cuda:

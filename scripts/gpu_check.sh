@@ -17,7 +17,7 @@
 # sm90 grouped GEMM (scripts/fp8_moe_block.py). "startup" (issue 24) starts the 0.5B shape in fresh processes
 # (first JIT, cold, warm) and checks the graph memory estimate; "swap-bench" serves an engine whose full module
 # was compiled by pieces, before and after the whole graph's package is swapped in (scripts/swap_bench.py); "startup-engine" times an engine's starts (scripts/engine_start.py: first JIT,
-# cold, warm, and cold with the engine's defaults); "startup-hf" does the same for piecegraph.hf (scripts/hf_start.py: a
+# cold, warm, and cold with the engine's defaults before stop 49: whole, own trace); "startup-hf" does the same for piecegraph.hf (scripts/hf_start.py: a
 # transformers Qwen2 of the 0.5B shape, Session(capture=True): first JIT, cold, warm); "startup-aot" times starts from AOTInductor packages
 # (cold, warm twice) against a warm start from Inductor's cache, one JSON per start (after compiling the imported packages' bytecode, as pip does; PRECOMPILE=1 does it for other parts); "loader-probe" packages one decode unit in a setup and by the
 # background worker, and prefill pieces by the worker, loads each in fresh processes, takes the first crash's backtrace,
@@ -272,7 +272,7 @@ fi
 if has startup-engine; then  # issue 24's targets, for the engine itself: one shared trace, decode compiled by pieces
   export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
   engine() {  # $1: name, $2: cache folder; FULL / SHARE / AOT / BG: the engine's options (scripts/engine_start.py)
-    PIECEGRAPH_START_FULL_COMPILE=${FULL:-pieces} PIECEGRAPH_START_SHARE_TRACE=${SHARE:-1} PIECEGRAPH_START_AOT=${AOT:-} \
+    PIECEGRAPH_START_FULL_COMPILE=${FULL:-auto} PIECEGRAPH_START_SHARE_TRACE=${SHARE:-1} PIECEGRAPH_START_AOT=${AOT:-} \
       PIECEGRAPH_START_AOT_BACKGROUND=${BG:-1} timeout 420 python3 scripts/engine_start.py "$2" \
       >"$OUT/engine_$1.json" 2>"$OUT/engine_$1.err"
     echo "engine $1 rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['ready_s'], 2), \
@@ -282,18 +282,18 @@ if has startup-engine; then  # issue 24's targets, for the engine itself: one sh
   }
   # FlashInfer's kernels built here: the starts below do not build (ENGINE_NO_JIT_FIRST=1: the cold start builds
   # them, and its stats' jit_build_s says how long)
-  [ -n "${ENGINE_NO_JIT_FIRST:-}" ] || AOT=0 engine jit_first /tmp/pg-engine-first
+  [ -n "${ENGINE_NO_JIT_FIRST:-}" ] || AOT=0 FULL=pieces engine jit_first /tmp/pg-engine-first
   engine cold /tmp/pg-engine
   python3 -m piecegraph.cli cache wait --dir /tmp/pg-engine --timeout "${ENGINE_WAIT_S:-300}" >"$OUT/engine_wait.log" 2>&1
   engine warm /tmp/pg-engine
   [ -n "${ENGINE_NO_PLAIN:-}" ] || \
-    AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults, no packages
+    AOT=0 FULL=whole SHARE=0 engine cold_plain /tmp/pg-engine-plain  # the engine's defaults before stop 49, no packages
   rm -rf /tmp/pg-engine-first /tmp/pg-engine /tmp/pg-engine-plain
 fi
 if has startup-hf; then  # issue 24's targets through piecegraph.hf: a transformers Qwen2, Session(capture=True)
   export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
-  hfstart() {  # $1: name, $2: cache folder; AOT: aot_package (scripts/hf_start.py)
-    PIECEGRAPH_START_AOT=${AOT:-} timeout 420 python3 scripts/hf_start.py "$2" >"$OUT/hf_start_$1.json" \
+  hfstart() {  # $1: name, $2: cache folder; AOT: aot_package, FULL: full_compile (scripts/hf_start.py)
+    PIECEGRAPH_START_AOT=${AOT:-} PIECEGRAPH_START_FULL_COMPILE=${FULL:-auto} timeout 420 python3 scripts/hf_start.py "$2" >"$OUT/hf_start_$1.json" \
       2>"$OUT/hf_start_$1.err"
     echo "hf start $1 rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(round(r['ready_s'], 2), \
       {k: (m['startup']['cache'], m['startup']['trace'], m['startup'].get('pieces'), m['startup'].get('aot'), \
@@ -301,7 +301,9 @@ if has startup-hf; then  # issue 24's targets through piecegraph.hf: a transform
       "$OUT/hf_start_$1.json" 2>&1 | tail -1)"
     cat "$2"/packaging/*.log >"$OUT/hf_start_$1_packaging.log" 2>/dev/null || true
   }
-  AOT=0 hfstart jit_first /tmp/pg-hf-first  # FlashInfer's kernels built here: the starts below do not build
+  # FlashInfer's kernels built here (by pieces: without packages "auto" compiles whole); HF_NO_JIT_FIRST=1 when
+  # startup-engine ran before in this call (the same kernels)
+  [ -n "${HF_NO_JIT_FIRST:-}" ] || AOT=0 FULL=pieces hfstart jit_first /tmp/pg-hf-first
   hfstart cold /tmp/pg-hf
   python3 -m piecegraph.cli cache wait --dir /tmp/pg-hf --timeout 300 >"$OUT/hf_start_wait.log" 2>&1
   hfstart warm /tmp/pg-hf

@@ -8,8 +8,9 @@ Prints one JSON line: seconds per phase, each module's ``stats()["startup"]``, t
     python scripts/hf_start.py CACHE_DIR
 
 PIECEGRAPH_START_SHARE_TRACE=0|1 (default 1: the decode module builds from the prefill module's trace),
-PIECEGRAPH_START_FULL_COMPILE=whole|pieces (default pieces: the decode graph compiled by pieces, which it takes from
-the prefill module), PIECEGRAPH_START_AOT=0|1 (``aot_package``; unset: packages on CUDA),
+PIECEGRAPH_START_FULL_COMPILE=auto|whole|pieces (default auto, the default: the decode graph compiled by pieces,
+which it takes from the prefill module, where the whole graph is packaged in the background),
+PIECEGRAPH_START_AOT=0|1 (``aot_package``; unset: packages on CUDA),
 PIECEGRAPH_START_LAYERS=N (fewer layers). PIECEGRAPH_START_DEVICE=cpu makes a dry run (float32, graphs emulated).
 """
 
@@ -43,7 +44,7 @@ def main(cache_dir: str) -> None:
     t_model = time.perf_counter()
     backend = resolve_attention("auto", device)
     options = dict(share_trace=env("PIECEGRAPH_START_SHARE_TRACE", "1") != "0",
-                   full_compile=env("PIECEGRAPH_START_FULL_COMPILE", "pieces"),
+                   full_compile=env("PIECEGRAPH_START_FULL_COMPILE", "auto"),
                    aot_package={"0": False, "1": True}.get(env("PIECEGRAPH_START_AOT", "")))
     session = pghf.Session(model, max_seqs=64, max_len=640, prefill_tokens=512, backend=backend, capture=True,
                            cache_dir=cache_dir, emulate_graphs=not cuda, **options)

@@ -148,6 +148,24 @@ def suspension(crashed: dict[str, Any]) -> str:
             f"{INLINE_INSTEAD}")
 
 
+def worker_refusal(root: str | Path, key: str, torch_version: str, trace_sha: str | None = None) -> str | None:
+    """Why no worker would package entry ``key`` under ``root`` now, or ``None``: its last job failed for the
+    trace ``trace_sha`` (``None``: for any trace) with this torch and :data:`WORKER_REVISION`, not for want of
+    memory (a failure is the code's, so it would fail again; memory is the machine's at the time), or a worker of
+    this cache crashed in native code with this torch (:func:`crashed_worker`)."""
+    before = read_state(root, key) or {}
+    if before.get("state") == "failed" and trace_sha in (None, before.get("trace_sha")) \
+            and before.get("torch") == torch_version and before.get("worker") == WORKER_REVISION \
+            and "OutOfMemoryError" not in str(before.get("why")):
+        return (f"the background packaging of this entry failed ({before.get('why')}; log "
+                f"{job_path(root, key, '.log')}); `piecegraph cache clear --failed-packaging` makes it try "
+                f"again{'; ' + INLINE_INSTEAD if native_crash(before) else ''}")
+    crashed = crashed_worker(root, torch_version)
+    if crashed is not None:  # once per cache and torch, not once per entry: each worker compiles for a minute
+        return f"background packaging of this cache is off: {suspension(crashed)}"
+    return None
+
+
 def forget_failures(root: str | Path) -> list[str]:
     """Forget every packaging job under ``root`` that failed (or whose worker died without a word), so the next
     start of its entry packages again; entries and compiled code are kept. The keys forgotten."""

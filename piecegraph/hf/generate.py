@@ -49,9 +49,10 @@ class Session:
     ``"eager"`` (the wrapped model as it is). ``prefill_tokens`` is the largest captured prefill (larger ones
     run the compiled pieces without graphs). ``backend`` is the KV cache's attention backend (``auto``:
     FlashInfer on a GPU that has it, for bf16/fp16); a backend the model's layers cannot use is refused naming
-    its model type. ``share_trace``: the decode module builds its program from the prefill module's Dynamo trace
-    (``GraphedModule.trace_from``) instead of tracing the model again, and with ``full_compile="pieces"`` takes
-    its compiled pieces too (``piecegraph/trace/handover.py``). ``capture``: trace, compile and capture every
+    its model type. ``share_trace`` (default on): the decode module builds its program from the prefill module's
+    Dynamo trace (``GraphedModule.trace_from``) instead of tracing the model again, and where it compiles by
+    pieces (``full_compile``: ``"auto"`` with a cache on CUDA, or ``"pieces"``) takes its compiled pieces too
+    (``piecegraph/trace/handover.py``). ``capture``: trace, compile and capture every
     prefill and then every decode size now, as an engine's start does (``mode="graphs"`` only), so that
     construction holds the whole start-up cost (each module's ``stats()["startup"]``) and no ``generate`` call
     captures; by default each size is captured at its first use. Every other keyword is a
@@ -62,7 +63,7 @@ class Session:
     """
 
     def __init__(self, model: Any, *, max_seqs: int, max_len: int, mode: str = "graphs",
-                 prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, share_trace: bool = False,
+                 prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, share_trace: bool = True,
                  capture: bool = False, **options: Any) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")

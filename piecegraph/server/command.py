@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from piecegraph.cli_common import PRESETS, load_model, resolve_attention, resolve_device
+from piecegraph.config import FULL_COMPILE
 from piecegraph.server.affinity import available_cpus, format_cpus, pin, split_cpus
 
 console = Console()
@@ -63,12 +64,13 @@ def serve(
                                "($PIECEGRAPH_CACHE_DIR, else the user's cache folder: piecegraph cache info) so a "
                                "restart skips tracing and compiling; Inductor-compiled engines only (the GPU "
                                "default; on CPU the default compiler is eager: nothing to cache)"),
-    full_compile: str = typer.Option("whole", "--full-compile", help="whole | pieces: auto's decode module "
-                                     "compiled as one graph, or by pieces (a faster cold start; with --cache the "
-                                     "whole graph is packaged in the background and swapped in once ready)"),
-    share_trace: bool = typer.Option(False, "--share-trace/--no-share-trace", help="auto's decode module builds "
-                                     "from the piecewise module's Dynamo trace instead of tracing again (with "
-                                     "--full-compile pieces it takes its compiled pieces too): a faster start"),
+    full_compile: str = typer.Option("auto", "--full-compile", help="auto | whole | pieces: auto's decode "
+                                     "module compiled as one graph, or by pieces (a faster cold start; with --cache "
+                                     "the whole graph is packaged in the background and swapped in once ready); "
+                                     "auto: by pieces where that swap will come"),
+    share_trace: bool = typer.Option(True, "--share-trace/--no-share-trace", help="auto's decode module builds "
+                                     "from the piecewise module's Dynamo trace instead of tracing again (compiled "
+                                     "by pieces, it takes its compiled pieces too): a faster start"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -90,8 +92,9 @@ def serve(
         raise typer.BadParameter(f"{mode!r} is not one of {', '.join(ENGINE_MODES)}", param_hint="--mode")
     if compiler not in (None, "inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
-    if full_compile not in ("whole", "pieces"):
-        raise typer.BadParameter(f"{full_compile!r} is not whole or pieces", param_hint="--full-compile")
+    if full_compile not in FULL_COMPILE:
+        raise typer.BadParameter(f"{full_compile!r} is not one of {', '.join(FULL_COMPILE)}",
+                                 param_hint="--full-compile")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("piecegraph.server").setLevel(log_level.upper())  # capture logs stay quiet, ours do not
     device = resolve_device(device)

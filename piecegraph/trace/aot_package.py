@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..program import Program
-from .aot_job import UnitJob, describe_unit, package_unit
+from .aot_job import UnitJob, describe_unit, op_modules, package_unit
 from .aot_load import PROGRAM_FIELDS, PackagedProgram, PackagedUnit, torch_libraries
 
 log = logging.getLogger("piecegraph")
@@ -48,6 +48,9 @@ class PackageRecorder:
         self.folder = Path(folder)
         self.background = background
         self.probe_loads = probe_loads  # load the first package in a fresh process before this one (a crash there)
+        # a background worker is expected to package the program (none failed or crashed before): a full graph
+        # then compiles by pieces under Config(full_compile="auto"), its whole graph swapped in once packaged
+        self.worker_expected = False
         self.units: list[tuple[UnitJob, Callable[..., Any]]] = []  # each unit's job and what runs it here
         self.pending: UnitJob | None = None  # described in the background, waiting for its compiled code
         self.skeleton: bytes | None = None
@@ -81,6 +84,7 @@ class PackageRecorder:
         try:
             job = describe_unit(sub, fakes, has_split_op, f"unit{len(self.units)}.pt2")
             if self.background:
+                op_modules([sub])  # the worker imports the ops' modules: none (a ValueError) refuses now
                 self.pending = job
                 return None
             unit = package_unit(job, self.folder, probe=self.probe_loads and not self.units)  # one loader: once

@@ -34,15 +34,11 @@ from typing import Any, Callable
 import torch
 
 from ..cache.packaging import (
-    INLINE_INSTEAD,
     WORKER_REVISION,
-    crashed_worker,
     held,
     job_path,
-    native_crash,
-    read_state,
     running,
-    suspension,
+    worker_refusal,
     write_state,
 )
 from ..cache.session import TRACE, inductor_dir
@@ -73,16 +69,9 @@ def start_worker(root: Path, key: str, trace: bytes, plan: PackagedPlan) -> tupl
     if running(root, key):
         return "packaging in the background (by another start's worker)", True
     sha = hashlib.sha256(trace).hexdigest()
-    before = read_state(root, key) or {}
-    # A failure is the code's, so it would fail again; but memory is the machine's at the time: that one retries.
-    if before.get("state") == "failed" and before.get("trace_sha") == sha and before.get("torch") == torch.__version__ \
-            and before.get("worker") == WORKER_REVISION and "OutOfMemoryError" not in str(before.get("why")):
-        return (f"not packaged: the background packaging of this entry failed ({before.get('why')}; log "
-                f"{job_path(root, key, '.log')}); `piecegraph cache clear --failed-packaging` makes it try "
-                f"again{'; ' + INLINE_INSTEAD if native_crash(before) else ''}"), False
-    crashed = crashed_worker(root, torch.__version__)
-    if crashed is not None:  # once per cache and torch, not once per entry: each worker compiles for a minute
-        return f"not packaged: background packaging of this cache is off: {suspension(crashed)}", False
+    refusal = worker_refusal(root, key, torch.__version__, sha)
+    if refusal is not None:
+        return f"not packaged: {refusal}", False
     modules = op_modules(job.graph for job in plan.jobs)
     job = PackagingJob(str(root), key, sha, pickle.dumps(plan.record), plan.jobs)
     path = job_path(root, key, ".job", make=True)

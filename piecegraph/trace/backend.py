@@ -166,14 +166,17 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
     static_sizes = _static_sizes(config, sym, bool(found))
     if packages is not None:
         _refuse_packages(packages, config, sym, static_sizes, written)
-    offers, took = None, False
+    offers, took, by_pieces = None, False, False
     if config.mode == "full":
         infos = [PieceInfo("graph", False, sum(1 for n in gm.graph.nodes if n.op == "call_function"))]
         single = returns_one_value(gm)
-        if config.full_compile == "pieces" and config.compiler == "inductor" and not static_sizes:
-            if packages is not None:  # in the background (else refused): the worker packages the whole graph,
-                with fake_mode:  # so a warm start runs it fused across the split ops, as full_compile="whole"
-                    packages.compile(gm, fake_args, has_split_op=True)
+        by_pieces = _compiles_by_pieces(config, packages, static_sizes)
+        if by_pieces and packages is not None:  # in the background (else refused): the worker packages the whole
+            with fake_mode:  # graph, so a warm start runs it fused across the split ops, as full_compile="whole"
+                packages.compile(gm, fake_args, has_split_op=True)
+            # "auto": a graph that cannot be packaged would stay by pieces for good, so it compiles whole
+            by_pieces = config.full_compile == "pieces" or packages.active
+        if by_pieces:
             fn, took = _compiled_by_pieces(gm, fake_args, fake_mode, config, sym, offered)
             if packages is not None:
                 packages.compiled(fn)
@@ -213,7 +216,18 @@ def build_program(gm: torch.fx.GraphModule, example_inputs: list[Any], config: C
         static_compile_s=static_s,
         offered=offers,
         took_pieces=took,
+        by_pieces=by_pieces,
     )
+
+
+def _compiles_by_pieces(config: Config, packages: PackageRecorder | None, static_sizes: tuple[int, ...]) -> bool:
+    """Whether ``mode="full"`` compiles its graph by pieces: ``full_compile="pieces"``, or ``"auto"`` where a
+    background worker will package the whole graph to swap in (Inductor only, no static compiles)."""
+    if config.compiler != "inductor" or static_sizes:
+        return False
+    if config.full_compile == "auto":
+        return packages is not None and packages.active and packages.background and packages.worker_expected
+    return config.full_compile == "pieces"
 
 
 def _refuse_packages(packages: PackageRecorder, config: Config, token_symbols: Any, static_sizes: tuple[int, ...],

@@ -179,6 +179,6 @@ def test_a_full_graph_compiled_by_pieces_compiles_each_distinct_layer_once_and_e
     assert outputs["pieces"] == outputs["whole"] == generate(model, prompts + [[2, 7]], 6)
 
 
-def test_full_compile_is_refused_unless_whole_or_pieces():
-    with pytest.raises(ValueError, match=r"full_compile='layers' is not one of \('whole', 'pieces'\)"):
+def test_full_compile_is_refused_unless_auto_whole_or_pieces():
+    with pytest.raises(ValueError, match=r"full_compile='layers' is not one of \('auto', 'whole', 'pieces'\)"):
         piecegraph.Config(full_compile="layers")

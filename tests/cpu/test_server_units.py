@@ -309,7 +309,7 @@ def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag
     result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", *flag])
     assert result.exit_code == 0, result.output
     assert seen["config"].cache_dir is expected
-    assert seen["config"].full_compile == "whole"
+    assert (seen["config"].full_compile, seen["config"].share_trace) == ("auto", True)
 
 
 def test_serve_full_compile_and_share_trace_reach_the_engine_and_a_wrong_value_is_refused(monkeypatch):
@@ -325,12 +325,13 @@ def test_serve_full_compile_and_share_trace_reach_the_engine_and_a_wrong_value_i
         raise SystemExit(0)
 
     monkeypatch.setattr(run, "build_process_state", stop)
-    result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces"])
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces",
+                                      "--no-share-trace"])
     assert result.exit_code == 0 and seen["config"].full_compile == "pieces", result.output
     assert not seen["config"].share_trace
-    shared = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces",
-                                      "--share-trace"])
+    shared = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "whole"])
     assert shared.exit_code == 0 and seen["config"].share_trace, shared.output
+    assert seen["config"].full_compile == "whole"
     wrong = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "halves"])
     assert wrong.exit_code == 2 and "--full-compile" in wrong.output and "halves" in wrong.output, wrong.output
 
