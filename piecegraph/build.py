@@ -295,7 +295,9 @@ def package_recorder(config: Config, values: dict[str, Any], entry: CacheEntry) 
     # FlashInfer (stop 48), the first is loaded in a fresh process first (the worker is such a process itself)
     probe = not config.aot_background and cuda_index(values) is not None
     recorder = PackageRecorder(entry.scratch / "aot", background=config.aot_background, probe_loads=probe)
-    if config.aot_background and entry.root is not None and entry.key is not None:
+    # Read by Config(full_compile="auto") only: the worker's state files are not read for other programs
+    if config.aot_background and config.mode == "full" and config.full_compile == "auto" \
+            and entry.root is not None and entry.key is not None:
         recorder.worker_expected = worker_refusal(entry.root, entry.key, torch.__version__) is None
     return recorder
 
