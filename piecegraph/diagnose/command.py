@@ -5,6 +5,7 @@ TARGET is ``package.module:function`` or ``path/to/file.py:function``. The funct
 ``model``, ``inputs`` and optionally ``context`` (forward-context metadata) and ``kwargs``. A file target is
 loaded as a module named after the file, with its folder put on ``sys.path`` so its sibling packages import.
 Exit status: 0 when nothing blocks tracing and capture, 1 when something does, 2 for a bad TARGET.
+``piecegraph doctor --model PATH`` checks a local Hugging Face folder instead (``piecegraph.diagnose.hf_check``).
 """
 
 from __future__ import annotations
@@ -137,14 +138,19 @@ def load_target(spec: str, device: Optional[str] = None) -> Target:
 
 
 def doctor(
-    target: str = typer.Argument(..., help="package.module:function or path/to/file.py:function returning "
-                                           "(model, inputs) or {'model', 'inputs', 'context'}"),
+    target: Optional[str] = typer.Argument(None, help="package.module:function or path/to/file.py:function "
+                                                      "returning (model, inputs) or {'model', 'inputs', 'context'}"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (stable schema)"),
     html_path: Optional[Path] = typer.Option(None, "--html", help="write the report as one self-contained HTML file"),
     fix: bool = typer.Option(False, "--fix", help="apply the known fixes and trace again (before/after counts)"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: where the target put the model)"),
+    model: Optional[Path] = typer.Option(None, "--model", help="a local Hugging Face folder instead of TARGET: "
+                                         "check that piecegraph.hf runs it exactly (exit 1 when refused)"),
+    dtype: str = typer.Option("auto", "--dtype", help="with --model: auto (the checkpoint's) | float32 | "
+                              "bfloat16 | float16"),
 ) -> None:
-    """Name what blocks full-graph tracing or CUDA-graph capture of a model, where it comes from, and the fix."""
+    """Name what blocks full-graph tracing or CUDA-graph capture of a model, where it comes from, and the fix;
+    with --model PATH, whether piecegraph runs that Hugging Face folder exactly (and why not)."""
     from piecegraph.diagnose.core import EagerFailure
     from piecegraph.diagnose.core import doctor as run_doctor
     from piecegraph.diagnose.report import render, to_html
@@ -153,6 +159,13 @@ def doctor(
         raise typer.BadParameter(f"{device!r} is not cpu or cuda", param_hint="--device")
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("--device cuda, but torch sees no CUDA device", param_hint="--device")
+    if (target is None) == (model is None):
+        raise typer.BadParameter("give a TARGET or --model PATH (one of them)", param_hint="TARGET")
+    if model is not None:
+        from piecegraph.diagnose.hf_check import check_model_folder
+
+        return check_model_folder(model, dtype, device, console)
+    assert target is not None
     for flag, path in (("--json", json_path), ("--html", html_path)):
         check_writable(path, flag)
     loaded = load_target(target, device)

@@ -6,20 +6,26 @@ split op ``piecegraph_models::attention``, so the graph splits into ``num_layers
 ``generate(hf_model, prompts, max_new_tokens)`` is greedy generation with packed piecewise prefill and
 full-graph decode. ``unwrap(model)`` (or ``HFDecoder.unwrap()``, or the end of ``with HFDecoder(model)``) gives
 the model back exactly as it was; while wrapped, its own forward, ``generate`` and ``generate_batch`` work as
-before. Importing this package does not import transformers.
+before. Which models run is decided by evidence, not by name: the config and the built model are checked for
+what the flat forward relies on, and a short numeric probe (:func:`verify`, once per model, on by default)
+compares piecegraph's attention with the model's own forward; a model that differs is refused naming the first
+layer that differs. Importing this package does not import transformers.
 """
 
-from piecegraph.hf.arch import SUPPORTED, UnsupportedModelError, cache_config, check_supported
+from piecegraph.hf.arch import UnsupportedModelError, cache_config, check_structure, check_supported
 from piecegraph.hf.generate import Session, eos_ids, generate, wrap
-from piecegraph.hf.load import load, read_model_type
+from piecegraph.hf.load import check_folder, load, read_model_type, verify
 from piecegraph.hf.model import HFDecoder, is_hf_model, unwrap
+from piecegraph.hf.probe import Verdict
 
 __all__ = [
     "HFDecoder",
-    "SUPPORTED",
     "Session",
     "UnsupportedModelError",
+    "Verdict",
     "cache_config",
+    "check_folder",
+    "check_structure",
     "check_supported",
     "eos_ids",
     "generate",
@@ -27,5 +33,6 @@ __all__ = [
     "load",
     "read_model_type",
     "unwrap",
+    "verify",
     "wrap",
 ]

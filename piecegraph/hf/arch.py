@@ -1,6 +1,10 @@
-"""Which Hugging Face decoders piecegraph runs, what it refuses, and the cache shape read from their configs.
+"""What a Hugging Face model must be for piecegraph to run it, and the cache shape read from its config.
 
-Everything here reads a ``transformers`` config object (attribute access only); nothing imports transformers.
+Support is decided by evidence, never by ``model_type``: :func:`check_supported` reads the config (what it
+declares: encoder-decoder, multimodal, layer kinds, attention options), :func:`check_structure` the built model
+(a causal LM whose decoder layers and attention modules are where the flat forward reaches them), and
+:func:`piecegraph.hf.probe.verify` runs it (each layer's attention through the interface, numbers equal).
+Everything here reads attributes only; nothing imports transformers.
 """
 
 from __future__ import annotations
@@ -9,23 +13,13 @@ from typing import Any
 
 from piecegraph.models.config import ModelConfig
 
-# model_type -> the family, for messages. Each was tested against Hugging Face's own forward and generate.
-SUPPORTED = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "gemma": "Gemma",
-    "gemma2": "Gemma 2 (sliding window, logit softcaps: torch attention backend only)",
-    "gemma3_text": "Gemma 3 text (sliding window: torch attention backend only)",
-    "qwen2_moe": "Qwen2-MoE",
-    "mixtral": "Mixtral",
-}
 # Config fields that change attention in ways the split op does not implement: (field, why), refused when set.
 _REFUSED_FIELDS = (
     ("use_bidirectional_attention", "bidirectional (non-causal) attention"),
     ("attention_chunk_size", "chunked local attention"),
 )
+# config.layer_types entries that are softmax attention over the whole cache or a sliding window of it
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 MAX_DEFAULT_CACHE_LEN = 4096  # as ModelConfig.from_hf: a 128k default would make every cache huge
 
 
@@ -38,20 +32,36 @@ def model_type(config: Any) -> str:
 
 
 def check_supported(config: Any, experts_impl: str | None = None) -> None:
-    """Raise :class:`UnsupportedModelError` naming ``config.model_type`` when piecegraph cannot run it exactly.
-
-    Refused: model types outside :data:`SUPPORTED` (encoders, multimodal wrappers, recurrent or hybrid models),
-    non-causal or chunked attention, attention dropout in training (callers put the model in eval mode), and a
-    mixture-of-experts layer whose experts implementation is ``"eager"`` (a Python loop over the experts a batch
-    hits: data-dependent, so Dynamo cannot trace it whole; ``grouped_mm`` or ``batched_mm`` can).
+    """Raise :class:`UnsupportedModelError` naming ``config.model_type`` and the feature when the config alone
+    shows a model piecegraph's engine cannot run: an encoder-decoder, a multimodal wrapper (a text config inside
+    the config), layers that are not attention (``config.layer_types`` naming linear attention, Mamba,
+    convolutions...), non-causal or chunked attention, or a mixture-of-experts layer whose experts
+    implementation is ``"eager"`` (a Python loop over the experts a batch hits: data-dependent, so Dynamo cannot
+    trace it whole; ``grouped_mm`` or ``batched_mm`` can). No model type is refused by name: what passes here
+    is checked on the model itself by :func:`check_structure` and numerically by :mod:`piecegraph.hf.probe`.
     """
     name = model_type(config)
-    if name not in SUPPORTED:
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"model_type {name!r}: an encoder-decoder model; piecegraph.hf runs "
+                                    "decoder-only causal LMs")
+    text = _text_config(config)
+    if text is not None:
         raise UnsupportedModelError(
-            f"Hugging Face model_type {name!r} is not supported by piecegraph.hf (supported: "
-            f"{', '.join(sorted(SUPPORTED))}). Its attention may differ from causal paged attention (an encoder, "
-            "a multimodal wrapper, a recurrent or hybrid layer); run it with its own forward instead."
-        )
+            f"model_type {name!r}: a multimodal wrapper around a {model_type(text)!r} text model; piecegraph.hf "
+            "runs decoder-only causal LMs (load the text model alone, if its weights allow)")
+    kinds = sorted({str(k) for k in (getattr(config, "layer_types", None) or ())} - ATTENTION_LAYER_TYPES)
+    if kinds:
+        raise UnsupportedModelError(
+            f"model_type {name!r}: config.layer_types names {kinds}, layers that are not softmax attention over "
+            "a KV cache (recurrent, linear-attention, convolutional or chunked layers); piecegraph's paged "
+            "attention runs full and sliding-window attention only")
+    try:
+        shape = (config.num_attention_heads, head_dim(config), getattr(config, "num_key_value_heads", None))
+    except Exception as err:  # noqa: BLE001  (e.g. transformers' per-layer attributes that refuse a global read)
+        raise UnsupportedModelError(f"model_type {name!r}: its config has no one attention shape for all layers "
+                                    f"({type(err).__name__}: {str(err)[:160]}); piecegraph's paged cache holds "
+                                    "one shape of keys and values") from None
+    del shape
     for field, what in _REFUSED_FIELDS:
         if getattr(config, field, None):
             raise UnsupportedModelError(f"model_type {name!r}: config.{field} is set ({what}); piecegraph's "
@@ -63,6 +73,53 @@ def check_supported(config: Any, experts_impl: str | None = None) -> None:
             "experts_implementation='batched_mm' (or 'grouped_mm'), e.g. "
             "AutoModelForCausalLM.from_pretrained(path, experts_implementation='batched_mm')."
         )
+
+
+def _text_config(config: Any) -> Any:
+    """The text sub-config of a multimodal config (``text_config`` beside a vision or audio one), else None."""
+    text = getattr(config, "text_config", None)
+    return text if text is not None and text is not config else None
+
+
+def check_structure(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError` (``TypeError`` for a base model without an output head) when
+    ``model`` is not built the way piecegraph's flat forward relies on: a causal LM with a base model
+    (``model.model``) whose decoder layers are one ``torch.nn.ModuleList`` of ``num_hidden_layers`` layers
+    and an output head (``lm_head``). Whether
+    each layer's attention goes through transformers' attention interface (by its config's
+    ``_attn_implementation``) exactly once, and the whole computes what the model computes, is the run-time
+    evidence of :func:`piecegraph.hf.probe.verify` (transformers' own class flag,
+    ``_supports_attention_backend``, is not used: it also marks models whose layers reach the interface but
+    drop its keyword arguments, which piecegraph runs)."""
+    name = model_type(model.config)
+    if not hasattr(model, "lm_head") and getattr(model, "get_output_embeddings", lambda: None)() is None:
+        raise TypeError(f"{type(model).__name__} ({name!r}) is not a *ForCausalLM with .model and .lm_head: pass "
+                        "the causal LM (AutoModelForCausalLM), not its base model")
+    if getattr(model, "model", None) is None or not hasattr(model, "lm_head"):
+        where = ("its output head is not model.lm_head" if getattr(model, "model", None) is not None else
+                 f"its base model is model.{getattr(model, 'base_model_prefix', '') or '?'}, not model.model")
+        raise UnsupportedModelError(f"model_type {name!r}: {type(model).__name__} is laid out otherwise ({where}); "
+                                    "piecegraph.hf runs causal LMs laid out as model.model (decoder layers at "
+                                    "model.model.layers) and model.lm_head")
+    layers = decoder_layers(model)
+    if not layers:
+        raise UnsupportedModelError(f"model_type {name!r}: its base model {type(model.model).__name__} has no "
+                                    f"list of {model.config.num_hidden_layers} decoder layers (model.model.layers)")
+    plain = [i for i, layer in enumerate(layers) if getattr(layer, "self_attn", None) is None]
+    if plain:
+        raise UnsupportedModelError(f"model_type {name!r}: decoder layers {plain} ({type(layers[plain[0]]).__name__}) "
+                                    "have no self_attn attention module (a recurrent, convolutional or otherwise "
+                                    "organised layer)")
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers of a causal LM (``model.model.layers``), or ``[]`` when it has no such list of
+    ``config.num_hidden_layers`` modules."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    expected = getattr(model.config, "num_hidden_layers", None)
+    if layers is None or not hasattr(layers, "__len__") or (expected is not None and len(layers) != expected):
+        return []
+    return list(layers)
 
 
 def head_dim(config: Any) -> int:

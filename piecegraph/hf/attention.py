@@ -5,7 +5,8 @@ of its config instead: every field is the config's (the view shares its ``__dict
 except ``_attn_implementation``, which reads ``"piecegraph"``. The module then calls
 :func:`attention`, registered under that name in ``AttentionInterface``. It has two behaviours, chosen by a keyword
 argument the flat-token forward passes down (``piecegraph_flat=True``, carried by Hugging Face's ``**kwargs`` from
-the base model to every attention call):
+the base model to every attention call; where a decoder layer drops them, the placeholder attention mask the flat
+forward passes, whose dtype no Hugging Face mask has, marks the call instead):
 
 - flat (piecegraph's forward): q, k, v of ``[1, heads, T, head_dim]`` become flat ``[T, heads * head_dim]`` rows
   and go to the split op ``piecegraph_models::attention`` (KV-cache write and paged attention), with the layer's
@@ -32,14 +33,21 @@ from typing import Any
 import torch
 
 import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
-from piecegraph.hf.arch import UnsupportedModelError, model_type
+from piecegraph.hf.arch import UnsupportedModelError, head_dim, model_type
 from piecegraph.program import describe
 
 NAME = "piecegraph"
 FLAT = "piecegraph_flat"
+# The dtype of the flat forward's placeholder mask. transformers builds bool or float masks only, so an attention
+# call whose decoder layer dropped the FLAT keyword (its forward does not pass **kwargs on) is still known as flat
+# by the mask it passes down.
+MASK_DTYPE = torch.uint8
 # Keyword arguments of HF attention calls that carry nothing the paged op needs (or that it honours itself).
 _IGNORED = frozenset({FLAT, "position_ids", "cache", "past_key_values", "cache_position", "use_cache",
                       "output_attentions", "is_causal", "dropout", "scaling", "sliding_window", "softcap"})
+# What some attention keyword arguments piecegraph refuses mean, for the refusal's message.
+_FEATURES = {"s_aux": "attention sinks", "indices": "sparse attention over selected keys",
+             "position_bias": "an additive position bias", "sinks": "attention sinks"}
 _users: weakref.WeakSet = weakref.WeakSet()  # the live wraps; "piecegraph" stays registered while there is one
 _view_classes: dict[type, type] = {}  # config class -> its view class
 
@@ -141,15 +149,29 @@ def hf_attention(module: torch.nn.Module) -> Any:
     return functions.get_interface(name, getattr(source, "eager_attention_forward", None))
 
 
+def placeholder_mask(device: torch.device | str) -> torch.Tensor:
+    """The 4D mask the flat forward gives the base model: transformers' mask builders return a 4D mask as it is,
+    so no ``[T, T]`` mask is built, and its dtype (:data:`MASK_DTYPE`) marks every attention call it reaches."""
+    return torch.zeros(1, 1, 1, 1, dtype=MASK_DTYPE, device=device)
+
+
+def is_flat(attention_mask: Any, kwargs: dict) -> bool:
+    """Whether an attention call comes from piecegraph's flat forward: the FLAT keyword, or the placeholder mask
+    (for decoder layers that do not pass the base model's keyword arguments on to attention)."""
+    return bool(kwargs.get(FLAT)) or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+                                      and attention_mask.dtype == MASK_DTYPE)
+
+
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The ``"piecegraph"`` attention function (see the module docstring). Returns ``([1, T, H, D], None)``."""
-    if not kwargs.get(FLAT):
+    if not is_flat(attention_mask, kwargs):
         return hf_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
     scale, window, softcap = _constants(module, args, kwargs)
     batch, heads, tokens, dim = query.shape
     if batch != 1:
         raise ValueError(f"piecegraph attention runs flat tokens ([1, heads, T, dim]), got query {tuple(query.shape)}")
+    _check_shapes(module, query, key, value)
     q = query[0].transpose(0, 1).reshape(tokens, heads * dim)
     k = key[0].transpose(0, 1).reshape(tokens, -1)
     v = value[0].transpose(0, 1).reshape(tokens, -1)
@@ -166,8 +188,10 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
                                     f"{describe(args)} that piecegraph's attention does not know")
     unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and v is not None)
     if unknown:
-        raise UnsupportedModelError(f"model_type {name!r}: its attention asks for {unknown}, which piecegraph's "
-                                    "paged attention does not implement (so it refuses rather than ignore them)")
+        what = "".join(f" ({k}: {_FEATURES[k]})" for k in unknown if k in _FEATURES)
+        raise UnsupportedModelError(f"model_type {name!r}: its attention asks for {unknown}{what}, which "
+                                    "piecegraph's paged attention does not implement (so it refuses rather than "
+                                    "ignore them)")
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise UnsupportedModelError(f"model_type {name!r}: non-causal attention (is_causal is False)")
     if kwargs.get("dropout"):
@@ -178,6 +202,23 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
     return scale, int(window) if window else -1, float(softcap) if softcap else 0.0
+
+
+def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Refuse keys and values the paged cache was not shaped for: heads of another size than the config's
+    ``head_dim`` (multi-head latent attention, values of their own size), or, where the module says how many query
+    heads share one (``num_key_value_groups``, kept per rank under tensor parallelism), another head count."""
+    want = head_dim(module.config)
+    groups = getattr(module, "num_key_value_groups", None)
+    kv_heads = query.shape[1] // groups if isinstance(groups, int) and groups > 0 else None
+    for name, tensor in (("keys", key), ("values", value)):
+        if tensor.shape[-1] == want == query.shape[-1] and kv_heads in (None, tensor.shape[1]):
+            continue
+        raise UnsupportedModelError(
+            f"model_type {model_type(module.config)!r}: its attention's {name} have {tensor.shape[1]} heads of "
+            f"{tensor.shape[-1]} (queries: {query.shape[1]} of {query.shape[-1]}; expected "
+            f"{kv_heads or 'some'} of {want}): piecegraph's paged cache holds keys and values of the config's "
+            "head_dim, the queries' too (no multi-head latent attention)")
 
 
 def query_scale(module: torch.nn.Module) -> float:

@@ -14,16 +14,17 @@ import torch
 
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.config import Config, default_capture_sizes
-from piecegraph.graphed_module import GraphedModule
+from piecegraph.graphed.module import GraphedModule
 from piecegraph.graphs.capture import GraphPool
 from piecegraph.hf.model import HFDecoder
-from piecegraph.models.generate import device_dtype, dummy_inputs, greedy_loop, stop_ids
+from piecegraph.models.generate import dummy_inputs, greedy_loop, stop_ids
 
 MODES = ("graphs", "none", "eager")
 
 
 def wrap(model: Any, **options: Any) -> HFDecoder:
-    """``model`` itself when it is an :class:`HFDecoder`, else ``HFDecoder(model, **options)``."""
+    """``model`` itself when it is an :class:`HFDecoder` (``options`` unused), else ``HFDecoder(model,
+    **options)`` (which checks the model: see :class:`HFDecoder`)."""
     return model if isinstance(model, HFDecoder) else HFDecoder(model, **options)
 
 
@@ -55,7 +56,9 @@ class Session:
     (``piecegraph/trace/handover.py``). ``capture``: trace, compile and capture every
     prefill and then every decode size now, as an engine's start does (``mode="graphs"`` only), so that
     construction holds the whole start-up cost (each module's ``stats()["startup"]``) and no ``generate`` call
-    captures; by default each size is captured at its first use. Every other keyword is a
+    captures; by default each size is captured at its first use. ``verify``: the numeric self-check of a model
+    the session wraps itself (:class:`HFDecoder`'s; ``None``: on unless ``PIECEGRAPH_HF_VERIFY=0``). Every other
+    keyword is a
     :class:`piecegraph.Config` field of both compiled modules
     (a mixture of experts on ``grouped_mm`` / ``batched_mm`` defaults to ``token_mixing="pad"``: those experts
     are row-wise, so padded calls replay graphs of every capture size). :meth:`close` (or the end of a ``with``
@@ -64,19 +67,19 @@ class Session:
 
     def __init__(self, model: Any, *, max_seqs: int, max_len: int, mode: str = "graphs",
                  prefill_tokens: int = 512, backend: str = "auto", page_size: int = 16, share_trace: bool = True,
-                 capture: bool = False, **options: Any) -> None:
+                 capture: bool = False, verify: bool | None = None, **options: Any) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         if capture and mode != "graphs":
             raise ValueError(f"capture=True captures CUDA graphs, which mode={mode!r} has none of; use "
                              "mode='graphs' or leave capture off")
         self._own_wrapper = not isinstance(model, HFDecoder)
-        self.model = wrap(model)
+        self.model = wrap(model, verify=verify)
         self.closed = False
         try:
-            device, dtype = device_dtype(self.model)
-            self.cache = KVCache.for_sequences(self.model.config, max_seqs, max_len, page_size, dtype=dtype,
-                                               device=device, backend=backend)
+            facts = self.model.facts()
+            self.cache = KVCache.for_sequences(facts.config, max_seqs, max_len, page_size, dtype=facts.dtype,
+                                               device=facts.device, backend=backend)
             self.model.check_backend(self.cache.backend.name)
         except BaseException:
             self.close()

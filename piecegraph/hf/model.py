@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 import piecegraph.hf.attention as hf_attention
-from piecegraph.hf.arch import cache_config, check_supported, layer_constants, model_type
+import piecegraph.hf.probe as probe
+from piecegraph.hf.arch import cache_config, check_structure, check_supported, layer_constants, model_type
 from piecegraph.hf.attention import FLAT, is_view
+from piecegraph.models.facts import ModelFacts, measure
 
 _STATE = "_piecegraph_hf"  # the attribute of a wrapped Hugging Face model holding its _Wrap
 
@@ -94,8 +96,13 @@ def unwrap(model: Any) -> torch.nn.Module:
 class HFDecoder(torch.nn.Module):
     """A Hugging Face causal LM over flat tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
 
-    Constraints: a decoder of :data:`piecegraph.hf.arch.SUPPORTED` (else :class:`UnsupportedModelError` naming
-    its model_type), in eval mode (the wrapper puts it there), called inside ``piecegraph.forward_context`` of
+    Constraints: a decoder-only causal LM that passes :func:`~piecegraph.hf.arch.check_supported`,
+    :func:`~piecegraph.hf.arch.check_structure` and, unless ``verify`` is False, the numeric self-check
+    :func:`piecegraph.hf.probe.verify` (a short probe through piecegraph's attention against the model's own
+    forward, once per model instance; ``verify=None`` runs it unless the environment sets
+    ``PIECEGRAPH_HF_VERIFY=0``): else :class:`UnsupportedModelError` naming its model_type, the feature or the
+    first layer that differs, and the model is left unwrapped. In eval mode (the wrapper puts it there), called
+    inside ``piecegraph.forward_context`` of
     :class:`~piecegraph.attention.AttentionMetadata` on a :class:`~piecegraph.attention.KVCache` built from
     :attr:`config` (``KVCache.for_sequences(wrapped.config, ...)``). ``config`` is a
     :class:`~piecegraph.models.ModelConfig` of the cache shape (what ``piecegraph.models.generate``, ``KVCache``
@@ -125,13 +132,11 @@ class HFDecoder(torch.nn.Module):
     piecegraph_not_traced = ("owns_wrap",)
 
     def __init__(self, model: torch.nn.Module, max_seq_len: int | None = None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", verify: bool | None = None) -> None:
         super().__init__()
         experts = getattr(model.config, "_experts_implementation", None) if _has_experts(model) else None
         check_supported(model.config, experts)
-        if getattr(model, "model", None) is None or not hasattr(model, "lm_head"):
-            raise TypeError(f"{type(model).__name__} is not a *ForCausalLM with .model and .lm_head: pass the "
-                            "causal LM (AutoModelForCausalLM), not its base model")
+        check_structure(model)
         state = getattr(model, _STATE, None)
         #: True when this wrapper wrapped the model; False when it joined a wrap made before (close() keeps that).
         self.owns_wrap = state is None
@@ -146,9 +151,19 @@ class HFDecoder(torch.nn.Module):
         self.config = cache_config(model.config, max_seq_len, attention_backend)
         self.constants = layer_constants(model)
         self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
+        # the head's scale as the model applies it: Cohere multiplies by model.logit_scale, Granite divides by
+        # config.logits_scaling (any other head computation fails the numeric self-check and is refused)
+        self.logit_scale = float(getattr(model, "logit_scale", None) or 1.0) / float(
+            getattr(model.config, "logits_scaling", None) or 1.0)
         # Hugging Face's grouped_mm / batched_mm experts flatten (token, k) pairs, sort them by expert and scatter
         # back: every output row depends on its own row only, so padding a call to a capture size is safe.
         self.row_wise_experts = experts in ("grouped_mm", "batched_mm")
+        if probe.enabled(verify):
+            try:
+                probe.verify(self)
+            except BaseException:
+                self.close()  # refused: the model is given back as it was
+                raise
 
     @property
     def model(self) -> torch.nn.Module:
@@ -196,17 +211,29 @@ class HFDecoder(torch.nn.Module):
                                "no longer piecegraph's. Unwrap it (piecegraph.hf.unwrap(model)) and wrap it again")
         # A 4D mask makes Hugging Face's mask builders return it as is: no [T, T] mask is built (attention is
         # paged and causal in the op, which ignores it).
-        no_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+        no_mask = hf_attention.placeholder_mask(input_ids.device)
         out = self.hf.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=no_mask,
                             use_cache=False, return_dict=False, **{FLAT: True})
         return out[0][0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden_size] -> [T, vocab_size]``, as the Hugging Face model computes them."""
+        """``[T, hidden_size] -> [T, vocab_size]``, as the Hugging Face model computes them (``lm_head``, its
+        logit scale, a final logit softcap)."""
         logits = self.hf.lm_head(hidden)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def facts(self) -> ModelFacts:
+        """The model's device, dtype, cache shape (:attr:`config`) and weight bytes as they are now; a mixture of
+        experts' expert count and top-k from its config (``num_experts`` or ``num_local_experts``,
+        ``num_experts_per_tok``). Ask once and pass the facts down."""
+        c = self.hf_config
+        experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0
+        top_k = getattr(c, "num_experts_per_tok", None) or 0
+        return measure(self, self.config, experts if top_k else 0, top_k)
 
     def check_backend(self, backend_name: str) -> None:
         """Refuse, naming the model type, a backend that cannot run every layer's constants (FlashInfer plans one
