@@ -7,7 +7,7 @@ from .api import compile
 from .config import Config, default_capture_sizes
 from .context import forward_context, get_forward_context
 from .diagnose import doctor
-from .graphed_module import GraphedModule
+from .graphed import GraphedModule
 from .graphs.breakable import no_graph
 from .graphs.capture import GraphPool
 from .ops import FrozenCacheMiss, freeze, freeze_package, opaque, prewarm, unfreeze

@@ -8,7 +8,7 @@ import torch
 
 from .config import Config
 from .diagnose.advisor import DoctorAdvisor
-from .graphed_module import GraphedModule
+from .graphed.module import GraphedModule
 
 
 def compile(  # noqa: A001 - mirrors torch.compile on purpose

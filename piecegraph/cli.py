@@ -1,8 +1,9 @@
-"""``piecegraph demo | bench``: the command line."""
+"""``piecegraph demo | bench | report``: the command line."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import typer
@@ -101,6 +102,59 @@ def _report_agreement(expected: list[list[int]], got: list[list[int]], exact: bo
     # and everything after it differs. That is rounding, not a graph bug (float32 runs must agree exactly).
     console.print(f"[yellow]bf16: {same}/{total} graphed tokens equal eager ones (greedy decoding diverges after "
                   "a rounding-level near-tie; run with --attention torch for an exact float32 check)[/]")
+
+
+@app.command()
+def report(
+    files: list[Path] = typer.Argument(..., help="one result file (its rows) or two (compared: A, B and B/A)"),
+    name: bool = typer.Option(False, "--name", help="print each file's committed name, <date>_<gpu>_<what>.json"),
+    what: str | None = typer.Option(None, "--what", help="with --name: what the run measured (default: from the "
+                                    "benchmark and its env, e.g. bench_modes_flashinfer)"),
+    plot: Path | None = typer.Option(None, "--plot", help="redraw the PNG of one bench or serve-bench file"),
+    columns: str | None = typer.Option(None, "--columns", help="comma-separated columns to show or compare"),
+    key: str | None = typer.Option(None, "--key", help="comma-separated columns that match rows of two files "
+                                   "(default: mode, phase, batch, tokens, concurrency and other naming columns)"),
+) -> None:
+    """Show a result file (benchmarks/results/*.json) as a table, or compare two files row by row."""
+    from piecegraph.results.report import canonical_name, report_lines
+    from piecegraph.results.schema import SchemaError, load_result
+
+    def names(text: str | None, option: str) -> list[str] | None:
+        picked = [c.strip() for c in (text or "").split(",") if c.strip()]
+        if text is not None and not picked:
+            raise typer.BadParameter("give at least one column name", param_hint=option)
+        return picked or None
+
+    try:
+        results = [load_result(f) for f in files]
+    except (OSError, SchemaError) as err:
+        raise typer.BadParameter(str(err), param_hint="FILES") from None
+    if name:
+        for result in results:
+            console.print(canonical_name(result, what), markup=False, highlight=False)
+        return
+    if plot is not None:
+        from piecegraph.bench.plot import plot_result
+
+        if len(results) != 1:
+            raise typer.BadParameter("--plot draws one file", param_hint="--plot")
+        try:
+            console.print(f"wrote {plot_result(results[0], plot)}")
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--plot") from None
+        return
+    if len(results) > 2:
+        raise typer.BadParameter(f"one file (its rows) or two (compared); got {len(results)}", param_hint="FILES")
+    try:
+        lines = report_lines(results, names(columns, "--columns"), names(key, "--key"))
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--columns/--key") from None
+    out = console if console.is_terminal else Console(width=200)  # logs and pipes: no wrapping at 80 columns
+    for line in lines:
+        if isinstance(line, str):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            out.print(line)
 
 
 # Each stage owns its command; the CLI only registers them.

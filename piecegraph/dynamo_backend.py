@@ -10,7 +10,7 @@ import torch
 
 from .config import Config
 from .program import check_token_dim
-from .runner import FlatRunner
+from .runner.flat import FlatRunner
 from .trace.backend import build_program, graph_memory
 
 

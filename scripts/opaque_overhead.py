@@ -1,13 +1,14 @@
-"""Per-call overhead of an opaque op against calling the function directly; prints JSON.
+"""Per-call overhead of an opaque op against calling the function directly.
 
-Usage: python scripts/opaque_overhead.py [--calls 2000] [--repeats 30] [--profile]
+Usage: python scripts/opaque_overhead.py [OUTDIR] [--calls 2000] [--repeats 30] [--profile] [--tag TAG]
 Times a trivial one-kernel function (``x + 1`` on a small tensor, CUDA when available) called directly, through
 ``piecegraph.opaque`` (torch.library DEF/impl), and through ``torch.library.custom_op`` for reference; with
 FlashInfer installed, also ``flashinfer.rmsnorm`` called directly against the adapter of
 ``adapters.flashinfer.install()``, first with FlashInfer's probes not frozen, then frozen (``--profile`` adds
 the functions that take the most time per call).
 Each figure is the median over ``repeats`` of (wall time of ``calls`` calls, synchronized) / calls, in µs; the
-variants compared are timed in turns, and each overhead is the median of the per-turn differences.
+variants compared are timed in turns, and each overhead is the median of the per-turn differences. Prints the
+figures; with OUTDIR, also writes them there as ``<date>_<gpu>_opaque_overhead[_TAG].json``.
 """
 
 import argparse
@@ -99,9 +100,11 @@ def flashinfer_rows(device, calls, repeats, sync, profile):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", nargs="?", help="write the result file here (default: print only)")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--profile", action="store_true", help="also list where FlashInfer's calls spend time")
+    parser.add_argument("--tag", default="", help="appended to the result file's name (e.g. a FlashInfer version)")
     a = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -112,8 +115,6 @@ def main():
     timed = per_call_us({"direct": (plus_one, (x,)), "opaque": (wrapped, (x,)), "custom_op": (custom, (x,))},
                         a.calls, a.repeats, sync)
     result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
         "direct_us": timed["direct"],
         "opaque_us": timed["opaque"],
         "custom_op_us": timed["custom_op"],
@@ -121,7 +122,21 @@ def main():
         "custom_op_overhead_us": timed["custom_op_minus_first"],
     }
     result.update(flashinfer_rows(device, a.calls, a.repeats, sync, a.profile))
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, indent=2))
+    result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    print(json.dumps(result, indent=2))
+    if a.outdir:
+        from pathlib import Path
+
+        from piecegraph.results.schema import environment, result_name, write_result
+
+        env = environment(attention=None, model=None, dtype=None, quant=None, calls=a.calls, repeats=a.repeats)
+        what = "opaque_overhead" + (f"_{a.tag}" if a.tag else "")
+        path = Path(a.outdir) / result_name(env, what)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiles = {k: result.pop(k) for k in ("profile_direct", "profile_opaque") if k in result}
+        rows = [{"figure": k, "value": v} for k, v in result.items()]
+        write_result(path, "opaque_overhead", env, rows, **profiles)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ settings.register_profile("ci", deadline=None)
 settings.register_profile("long", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-_RESULTS: dict[str, dict] = {}  # file name -> what the GPU tests recorded into it, this session
+_RESULTS: dict[str, dict] = {}  # file name -> {key: row} the GPU tests recorded into it, this session
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,16 +25,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def record_result():
-    """``record(file, key, value)``: keep what a GPU run showed in ``$PIECEGRAPH_OUT/<file>`` (JSON), for the
-    closing note; each file starts with the torch version and the device. Nothing is written without the
-    variable."""
+    """``record(file, key, value)``: keep what a GPU run showed in ``$PIECEGRAPH_OUT/<file>``, in the result
+    schema (``piecegraph.results``): benchmark ``gpu-tests/<file stem>``, one row per key (``{"key": key,
+    **value}`` for a dict, else ``{"key": key, "value": value}``). Nothing is written without the variable."""
+    from piecegraph.results.schema import environment, write_result
 
     def record(file: str, key: str, value) -> None:
-        results = _RESULTS.setdefault(file, {"torch": torch.__version__, "device": torch.cuda.get_device_name()})
-        results[key] = value
+        rows = _RESULTS.setdefault(file, {})
+        rows[key] = {"key": key, **value} if isinstance(value, dict) else {"key": key, "value": value}
         out = os.environ.get("PIECEGRAPH_OUT")
         if out:
-            with open(os.path.join(out, file), "w") as f:
-                json.dump(results, f, indent=1)
+            env = environment(attention=None, model=None, dtype=None, quant=None)
+            write_result(os.path.join(out, file), f"gpu-tests/{Path(file).stem}", env, list(rows.values()))
 
     return record

@@ -160,7 +160,7 @@ class AttentionMetadata:
         # A large step (1000+ rows) lays out its tokens with C-level iteration and whole-tensor ops: with the
         # cache's device page table (layout.slots set) each token's flat slot is looked up there (one
         # index_select), so the host never walks the page lists. A small step (batch-1 decode) walks them: the
-        # tensor ops' fixed cost is more than its few tokens' Python (scripts/step_host_cost.py --rows 1 10).
+        # tensor ops' fixed cost is more than its few tokens' Python (measured on the host at 1 and 10 rows).
         decode, slots = layout.is_decode, layout.slots
         lookup = slots is not None and layout.num_tokens > SMALL_STEP
         positions = token_positions_tensor(layout) if lookup else layout.token_positions()

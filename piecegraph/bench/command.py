@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import typer
@@ -19,6 +19,9 @@ from piecegraph.cli_common import (
     shard_for_tp,
     start_tp,
 )
+
+if TYPE_CHECKING:
+    from piecegraph.models import ModelFacts
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: rich would wrap the wide table at 80 columns
@@ -76,7 +79,8 @@ def bench(
     prefill: str = typer.Option("16,128,512,2048", help="packed prefill token totals, mixed lengths ('' for none)"),
     context: int = typer.Option(256, min=1, help="cached tokens per sequence in decode"),
     repeats: int = typer.Option(20, min=1, help="timed calls per cell (median reported)"),
-    json_path: Path | None = typer.Option(None, "--json", help="write env, modes and rows as JSON"),  # noqa: B008
+    json_path: Path | None = typer.Option(None, "--json", help="write the result file (the one result schema: "
+                                          "benchmark, env, rows, setup)"),  # noqa: B008
     plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG: ms by batch, by tokens"),  # noqa: B008
     profile: str | None = typer.Option(None, help="MODE:BATCH: also profile one decode step (e.g. piecewise:1)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
@@ -92,6 +96,7 @@ def bench(
     from piecegraph.bench.profile import attention_op_us
     from piecegraph.bench.report import payload, write_json
     from piecegraph.bench.sweep import run_sweep
+    from piecegraph.models import model_facts
 
     device = resolve_device(device)
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
@@ -106,16 +111,18 @@ def bench(
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
     net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=quant), run)
-    _check_backend(net, backend)
-    op_us = attention_op_us(net, backend, context)  # before the sweep: a sweep cut short still records it
+    facts = model_facts(net)  # asked once, after sharding: every stage below reads these
+    _check_backend(facts, backend, net)
+    op_us = attention_op_us(facts, backend, context)  # before the sweep: a sweep cut short still records it
     partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
 
-    def env_of(result: Any) -> dict[str, Any]:
-        return {**environment(net, model, result.bandwidth_gbs, context=context, repeats=repeats,
-                              batches=batch_list, prefill=prefill_list, modes=mode_list, attention=attention,
-                              attention_backend=result.attention_backend or backend,
-                              inductor_graph_partition=partition_default),
-                "quant": quant, **run.facts()}
+    def env_of(result: Any) -> dict[str, Any]:  # attention: the backend the caches resolved --attention to
+        ranks = run.facts()
+        return environment(facts, model, result.bandwidth_gbs, attention=result.attention_backend or backend,
+                           quant=quant, world_size=ranks["world_size"], attention_option=attention,
+                           context=context, repeats=repeats, batches=batch_list, prefill=prefill_list,
+                           modes=mode_list, inductor_graph_partition=partition_default,
+                           tp_backend=ranks["tp_backend"])
 
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
         if json_path and reports:
@@ -130,8 +137,9 @@ def bench(
     # kept here, so the sweep frees it after its references
     result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
                        on_mode=save_partial, attention=backend, keep_going=run.solo,
-                       float_model=load_model(model, device, dtype, hf=hf) if quant != "bf16" and run.solo else None)
-    profiled = _run_profile(net, spec, context, backend, reports) if spec else None
+                       float_model=load_model(model, device, dtype, hf=hf) if quant != "bf16" and run.solo else None,
+                       facts=facts)
+    profiled = _run_profile(net, facts, spec, context, backend, reports) if spec else None
     if reports:
         _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)
     run.finish()
@@ -145,9 +153,9 @@ def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: 
     context, tp = env["context"], env.get("world_size", 1)
     quant, ranks = " fp8" if env.get("quant") == "fp8" else "", f" x{tp} (tp)" if tp > 1 else ""
     console.print(rich_table(result.rows, f"{model} {env['dtype']}{quant} on {env['gpu']}{ranks}"
-                                          f", torch {env['torch']}, {env['attention_backend']} attention, "
+                                          f", torch {env['torch']}, {env['attention']} attention, "
                                           f"context {context}"))
-    console.print(_op_table(op_us, env["attention_backend"]))
+    console.print(_op_table(op_us, env["attention"]))
     data = payload(env, result.rows, result.modes, profiled, attention_op_us=op_us)
     console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
     if json_path:
@@ -157,18 +165,17 @@ def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: 
         from piecegraph.bench.plot import plot
 
         plot(result.rows, plot_path, title=f"{model} {env['dtype']}, {env['gpu']}, torch {env['torch']}, "
-                                           f"{env['attention_backend']} attention")
+                                           f"{env['attention']} attention")
         console.print(f"wrote {plot_path}")
 
 
-def _check_backend(net: torch.nn.Module, backend: str) -> None:
+def _check_backend(facts: ModelFacts, backend: str, net: torch.nn.Module) -> None:
     """Build a two-page cache with ``backend`` now, so a backend that cannot start here (a broken install, a
     dtype it does not attend in) is an error naming ``--attention`` before the sweep, not a traceback inside it."""
     from piecegraph.attention import KVCache
 
-    param = next(net.parameters())
     try:
-        cache = KVCache(net.config, 2, dtype=param.dtype, device=param.device, backend=backend)
+        cache = KVCache(facts.config, 2, dtype=facts.dtype, device=facts.device, backend=backend)
         if hasattr(net, "check_backend"):  # a Hugging Face model: its layers' constants (windows, softcaps)
             net.check_backend(cache.backend.name)
     except Exception as exc:  # noqa: BLE001  (whatever stops the backend, the user's fix is another --attention)
@@ -197,13 +204,13 @@ def _op_table(op_us: dict[str, Any], backend: str) -> Table:
     return table
 
 
-def _run_profile(net: torch.nn.Module, spec: tuple[str, int], context: int, backend: str,
+def _run_profile(net: torch.nn.Module, facts: ModelFacts, spec: tuple[str, int], context: int, backend: str,
                  reports: bool = True) -> dict:
     from piecegraph.bench.profile import profile_step
 
     mode, batch = spec
     try:
-        result = profile_step(net, mode, batch, context=context, attention=backend)
+        result = profile_step(net, facts, mode, batch, context=context, attention=backend)
     except Exception as exc:  # noqa: BLE001  (the sweep's results still get written)
         result = {"mode": mode, "batch": batch, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]}
     if not reports:

@@ -7,13 +7,15 @@ them. All timings of one run come from one process on one device, so ratios betw
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from piecegraph.graphs.capture import time_ms
+
+if TYPE_CHECKING:
+    from piecegraph.models import ModelFacts
 
 
 @dataclass
@@ -85,23 +87,25 @@ def rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
-def environment(model: torch.nn.Module, name: str, bandwidth_gbs: float, **extra: Any) -> dict[str, Any]:
-    """The run's identity: device, versions, model shape, date, measured bandwidth, plus ``extra``."""
+def environment(facts: ModelFacts, name: str, bandwidth_gbs: float, *, attention: str | None,
+                quant: str = "bf16", world_size: int = 1, **extra: Any) -> dict[str, Any]:
+    """The run's ``env`` in the one result schema (:func:`piecegraph.results.schema.environment`): the device the
+    model's weights are on (``"cpu"`` for a CPU run on a GPU machine), versions, the resolved ``attention``
+    backend, the model's name, shape (``facts.config``) and dtype, ``quant``, ``world_size``, date, commit, the
+    measured copy bandwidth, plus ``extra``."""
     from dataclasses import asdict
 
     import piecegraph
+    from piecegraph.results.schema import device_name
+    from piecegraph.results.schema import environment as result_environment
 
-    cuda = torch.cuda.is_available()
-    return {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if cuda else None,
-        "python": platform.python_version(),
-        "piecegraph": getattr(piecegraph, "__version__", "?"),
-        "model": name,
-        "model_config": asdict(model.config) if hasattr(model, "config") else None,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "date": time.strftime("%Y-%m-%d"),
-        "bandwidth_gbs": round(bandwidth_gbs, 1),
+    return result_environment(
+        attention=attention, model=name, dtype=facts.dtype, quant=quant, world_size=world_size,
+        gpu=device_name(facts.device),
+        cuda=torch.version.cuda if facts.device.type == "cuda" else None,
+        python=platform.python_version(),
+        piecegraph=getattr(piecegraph, "__version__", "?"),
+        model_config=asdict(facts.config) if facts.config is not None else None,
+        bandwidth_gbs=round(bandwidth_gbs, 1),
         **extra,
-    }
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from piecegraph.bench.harness import Row
+from piecegraph.results.schema import Result
 
 _PANELS = (("decode", "decode batch (sequences)"), ("prefill", "prefill tokens (packed, mixed lengths)"))
 
@@ -66,3 +67,21 @@ def _draw(ax: Any, series: dict[str, tuple[list[int], list[float]]], xlabel: str
     ax.set_xlabel(xlabel)
     ax.set_ylabel("ms per step (median)")
     ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_result(result: Result, path: Path) -> Path:
+    """Redraw a saved result's PNG: a ``bench`` file's ms by batch and by tokens, a ``serve-bench`` file's
+    throughput, TTFT and ITL by concurrency. Raises ``ValueError`` for any other benchmark (nothing to draw)."""
+    env = result.env
+    if result.benchmark == "bench":
+        return plot([Row.from_json(r) for r in result.rows], path,
+                    title=f"{env.get('model')} {env.get('dtype')}, {env.get('gpu')}, torch {env.get('torch')}, "
+                          f"{env.get('attention') or '?'} attention")
+    if result.benchmark == "serve-bench":
+        from piecegraph.serve.report import plot as serve_plot
+        from piecegraph.serve.report import results_of
+
+        return serve_plot(results_of(result), path, title=f"{env.get('model')} {env.get('dtype')} on {env.get('gpu')}, "
+                          f"torch {env.get('torch')}, {env.get('attention') or '?'} attention")
+    raise ValueError(f"{result.path or 'this result'}: nothing to plot for benchmark {result.benchmark!r} "
+                     "(bench and serve-bench files only)")

@@ -25,7 +25,7 @@ from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, p
 from piecegraph.bench.harness import sync, time_ms
 from piecegraph.context import forward_context
 from piecegraph.graphs.capture import GraphedPiece
-from piecegraph.models.generate import device_dtype
+from piecegraph.models import ModelFacts
 
 SPLIT_OP = "piecegraph_models::attention"
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -123,10 +123,10 @@ def _device_us(event: Any) -> float:
     return float(getattr(event, "cuda_time_total", 0) or 0)
 
 
-def profile_step(model: torch.nn.Module, mode: str, batch: int, context: int = 256, steps: int = 20,
-                 attention: str = "auto") -> dict[str, Any]:
+def profile_step(model: torch.nn.Module, facts: ModelFacts, mode: str, batch: int, context: int = 256,
+                 steps: int = 20, attention: str = "auto") -> dict[str, Any]:
     """Profile one decode step of ``mode`` at ``batch`` sequences of ``context`` cached tokens, on a paged cache
-    with the ``attention`` backend.
+    with the ``attention`` backend; ``facts`` are ``model``'s (``model.facts()``).
 
     Returns a flat dict (JSON-ready): pieces, step GPU and CPU ms, CPU ms in graph replays, split-op calls with
     their CPU/GPU ms, eager ATen ops and kernels per split op, graph launches per step, and a one-line verdict.
@@ -135,9 +135,9 @@ def profile_step(model: torch.nn.Module, mode: str, batch: int, context: int = 2
     reason = bench_modes.unavailable(mode)
     if reason:
         return {"mode": mode, "batch": batch, "skipped": reason}
-    cache = decode_cache(model, [batch], context, attention)
-    case = decode_cases(model, cache, [batch], context)[0]
-    prep = bench_modes.prepare(mode, model, [batch], [], capture_inputs(model, cache))
+    cache = decode_cache(facts, [batch], context, attention)
+    case = decode_cases(facts, cache, [batch], context)[0]
+    prep = bench_modes.prepare(mode, model, [batch], [], capture_inputs(facts, cache))
     args = case.args(0)
     try:
         with torch.no_grad(), forward_context(case.meta):
@@ -171,7 +171,7 @@ def verdict(p: dict[str, Any]) -> str:
             f"other {p['other_cpu_ms']:.2f} ms CPU")
 
 
-def attention_op_us(model: torch.nn.Module, attention: str = "auto", context: int = 256, calls: int = 30
+def attention_op_us(facts: ModelFacts, attention: str = "auto", context: int = 256, calls: int = 30
                     ) -> dict[str, Any]:
     """Median CPU microseconds of one call of the attention split op (layer 0), per :data:`OP_COST_CASES`:
     decode batch 1 at ``context`` cached tokens, and the bench's 512-token packed prefill, on fresh paged caches
@@ -180,17 +180,17 @@ def attention_op_us(model: torch.nn.Module, attention: str = "auto", context: in
     What a piecewise mode pays per layer between graph replays: the dispatcher, the op's Python and the
     backend's kernel launches, but not the step's metadata build (once per step, not per call). Each call starts
     on an idle device and is not synchronized at its end, so on CUDA it is host time only; on CPU the kernels
-    run inside the call, so it is the whole op. ``model`` is a reference :class:`~piecegraph.models.Decoder`.
+    run inside the call, so it is the whole op. ``facts``: the model's (``model.facts()``), with a cache shape.
     """
     result: dict[str, Any] = {}
     failed: dict[str, str] = {}
     for key, phase, size in OP_COST_CASES:
         try:
             if phase == "decode":
-                meta = decode_cases(model, decode_cache(model, [size], context, attention), [size], context)[0].meta
+                meta = decode_cases(facts, decode_cache(facts, [size], context, attention), [size], context)[0].meta
             else:
-                meta = prefill_cases(model, [size], attention)[0].meta
-            result[key] = _op_call_us(model, meta, calls)
+                meta = prefill_cases(facts, [size], attention)[0].meta
+            result[key] = _op_call_us(facts, meta, calls)
         except Exception as exc:  # noqa: BLE001  (a number we could not take is a reason, not a lost sweep)
             result[key] = None
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -200,10 +200,9 @@ def attention_op_us(model: torch.nn.Module, attention: str = "auto", context: in
     return result
 
 
-def _op_call_us(model: torch.nn.Module, meta: Any, calls: int, warmup: int = 3) -> float:
+def _op_call_us(facts: ModelFacts, meta: Any, calls: int, warmup: int = 3) -> float:
     """Median host microseconds of ``torch.ops.piecegraph_models.attention`` on random q/k/v under ``meta``."""
-    config = model.config
-    device, dtype = device_dtype(model)
+    config, device, dtype = facts.config, facts.device, facts.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
     n = meta.num_tokens
 

@@ -1,24 +1,25 @@
-"""The benchmark's outputs: the rich table, the JSON file, a compact pivot, and the results file name.
+"""The benchmark's outputs: the rich table, the result file, a compact pivot, and the results file name.
 
-``python -m piecegraph.bench.report RESULTS.json [--plot OUT.png] [--name]`` works on a saved file.
+``python -m piecegraph.bench.report RESULTS.json [--plot OUT.png] [--name]`` works on a saved file (so does
+``piecegraph report``).
 
-JSON layout (``benchmarks/README.md`` documents it for readers of committed results)::
+The file is the one result schema (:mod:`piecegraph.results.schema`; ``benchmarks/README.md`` documents it for
+readers of committed results) with ``benchmark`` ``"bench"``::
 
-    {"env": {"gpu", "torch", "cuda", "python", "piecegraph", "model", "model_config", "dtype", "date",
-             "bandwidth_gbs", "context", "repeats", "attention", "attention_backend",
-             "inductor_graph_partition", ...},
-     "modes": {"<mode>": {"setup_s", "capture_s", "pool_mib", "pieces", "sizes"} | {"skipped": reason}},
+    {"benchmark": "bench",
+     "env": {<the schema's keys>, "attention_option", "cuda", "python", "piecegraph", "model_config",
+             "bandwidth_gbs", "context", "repeats", "batches", "prefill", "modes", "inductor_graph_partition",
+             "tp_backend", "partial"?},
      "rows": [{"mode", "phase", "batch" | "tokens", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib",
                "rel_err", "rel_err_float"? (--quant: against the unquantized weights), "seqs"?, "skipped"?,
                "note"?}],
+     "setup": {"<mode>": {"setup_s", "capture_s", "pool_mib", "pieces", "sizes", ...} | {"skipped": reason}},
      "attention_op_us": {"decode_1", "prefill_512", "failed"?: {case: reason}},
      "profile": {...}?}
 """
 
 from __future__ import annotations
 
-import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any
 from rich.table import Table
 
 from piecegraph.bench.harness import Row
+from piecegraph.results.report import canonical_name
+from piecegraph.results.schema import check, load_result, write_result
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -58,7 +61,9 @@ def rich_table(rows: Sequence[Row], title: str) -> Table:
 
 def payload(env: dict[str, Any], rows: Sequence[Row], modes: dict[str, Any],
             profile: dict[str, Any] | None = None, attention_op_us: dict[str, Any] | None = None) -> dict[str, Any]:
-    data: dict[str, Any] = {"env": env, "modes": modes, "rows": [r.to_json() for r in rows]}
+    """The result file's object (the one result schema): ``modes`` (each mode's setup facts) goes under ``setup``;
+    ``attention_op_us`` and ``profile`` are extra keys where given."""
+    data: dict[str, Any] = {"benchmark": "bench", "env": env, "rows": [r.to_json() for r in rows], "setup": modes}
     if attention_op_us is not None:
         data["attention_op_us"] = attention_op_us
     if profile is not None:
@@ -67,8 +72,8 @@ def payload(env: dict[str, Any], rows: Sequence[Row], modes: dict[str, Any],
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    """Write :func:`payload`'s object, checked against the schema (:func:`~piecegraph.results.schema.write_result`)."""
+    write_result(path, **data)
 
 
 def compact(data: dict[str, Any]) -> str:
@@ -83,7 +88,7 @@ def compact(data: dict[str, Any]) -> str:
     width = max(9, *(len(m) + 1 for m in modes))
     env = data.get("env", {})
     title = (f"ms per step, median ({env.get('gpu')}, torch {env.get('torch')}, {env.get('model')} "
-             f"{env.get('dtype')}, {env.get('attention_backend', '?')} attention, context {env.get('context')}, "
+             f"{env.get('dtype')}, {env.get('attention') or '?'} attention, context {env.get('context')}, "
              f"{env.get('bandwidth_gbs')} GB/s copy)")
     lines = [title,
              f"{'phase':8s}{'size':>6s}" + "".join(f"{m:>{width}s}" for m in modes)]
@@ -93,7 +98,7 @@ def compact(data: dict[str, Any]) -> str:
             r = cell.get((phase, size, m), {})
             values.append("skip" if r.get("skipped") or r.get("ms") is None else f"{r['ms']:.3f}")
         lines.append(f"{phase:8s}{size:>6d}" + "".join(f"{v:>{width}s}" for v in values))
-    facts = data.get("modes", {})
+    facts = data.get("setup", {})
     for label, key, spec in (("setup s", "setup_s", ".1f"), ("pool MiB", "pool_mib", ".0f")):
         lines.append(f"{label:14s}" + "".join(f"{_fmt(facts.get(m, {}).get(key), spec):>{width}s}" for m in modes))
     op_us = data.get("attention_op_us") or {}
@@ -108,40 +113,31 @@ def compact(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def result_name(env: dict[str, Any]) -> str:
-    """``<date>_<gpu>_torch<version>_<attention>``: the file name of a committed result (benchmarks/README.md).
-
-    ``NVIDIA H200`` -> ``h200``, ``2.11.0+cu128`` -> ``torch2.11.0``, the resolved attention backend last
-    (absent in files from before paged attention): short, sortable by date, no spaces.
-    """
-    gpu = re.sub(r"[^a-z0-9]+", "-", str(env.get("gpu", "unknown")).lower().replace("nvidia", "")).strip("-")
-    torch_version = str(env.get("torch", "unknown")).split("+")[0]
-    name = f"{env.get('date', 'undated')}_{gpu or 'unknown'}_torch{torch_version}"
-    backend = re.sub(r"[^a-z0-9]+", "-", str(env.get("attention_backend") or "").lower()).strip("-")
-    return f"{name}_{backend}" if backend else name
+def result_stem(data: dict[str, Any]) -> str:
+    """The committed name of a result without ``.json`` (scripts add ``.json`` and ``.png``):
+    ``<date>_<gpu>_bench_modes_<attention>[...]`` (:func:`~piecegraph.results.report.default_what`)."""
+    return canonical_name(check(data)).removesuffix(".json")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m piecegraph.bench.report RESULTS.json [--plot OUT.png] [--name]``: print the compact table,
-    redraw the plot from saved rows, or print the result file name."""
+    redraw the plot from saved rows, or print the result's committed name without ``.json``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m piecegraph.bench.report")
     parser.add_argument("results", type=Path)
     parser.add_argument("--plot", type=Path, help="draw the PNG from the saved rows")
-    parser.add_argument("--name", action="store_true", help="print <date>_<gpu>_torch<ver>_<attention> and exit")
+    parser.add_argument("--name", action="store_true", help="print <date>_<gpu>_bench_modes_<attention> and exit")
     args = parser.parse_args(argv)
-    data = json.loads(args.results.read_text())
+    result = load_result(args.results)
+    data = result.to_json()
     if args.name:
-        print(result_name(data["env"]))
+        print(result_stem(data))
         return
     if args.plot:
-        from piecegraph.bench.plot import plot
+        from piecegraph.bench.plot import plot_result
 
-        env = data["env"]
-        plot([Row.from_json(r) for r in data["rows"]], args.plot,
-             title=f"{env.get('model')} {env.get('dtype')}, {env.get('gpu')}, torch {env.get('torch')}, "
-                   f"{env.get('attention_backend', '?')} attention")
+        plot_result(result, args.plot)
     print(compact(data))
 
 

@@ -18,6 +18,7 @@ from piecegraph.bench import modes as bench_modes
 from piecegraph.bench.cases import Case, capture_inputs, decode_cache, decode_cases, prefill_cases
 from piecegraph.bench.harness import Row, measure_bandwidth_gbs, rel_err, sync, time_ms
 from piecegraph.context import forward_context
+from piecegraph.models import ModelFacts, model_facts
 
 Log = Callable[[str], None]
 
@@ -157,7 +158,8 @@ def _describe(row: Row) -> str:
 def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[int], prefill: Sequence[int],
               context: int = 256, repeats: int = 20, log: Log = print,
               on_mode: Callable[[SweepResult], None] | None = None, attention: str = "auto",
-              keep_going: bool = True, float_model: torch.nn.Module | None = None) -> SweepResult:
+              keep_going: bool = True, float_model: torch.nn.Module | None = None,
+              facts: ModelFacts | None = None) -> SweepResult:
     """Time ``modes`` on decode steps (``batches`` sequences at ``context`` cached tokens) and packed prefills
     (``prefill`` total tokens each), all against the same eager references and paged caches, whose attention
     backend is ``attention`` (``auto | torch | flashinfer``; the resolved name is ``result.attention_backend``).
@@ -168,24 +170,25 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     time limit keeps the modes it finished). ``keep_going=False`` raises at the first failure instead of
     skipping: a tensor-parallel rank must, since its peers would pair their collectives with its next mode's.
     ``float_model``: the same weights unquantized (``--quant fp8``), run eagerly once per case for each row's
-    ``rel_err_float``; dropped after the references, so pass one the caller does not keep.
+    ``rel_err_float``; dropped after the references, so pass one the caller does not keep. ``facts``: the
+    model's (default ``model_facts(model)``), which the caches and each case's HBM floor are built from.
     """
     if not batches or min(batches) < 1 or (prefill and min(prefill) < 1):
         raise ValueError(f"batches {list(batches)} and prefill {list(prefill)} must be positive (batches non-empty)")
-    device = next(model.parameters()).device
-    bandwidth = measure_bandwidth_gbs(device)
+    facts = facts or model_facts(model)
+    bandwidth = measure_bandwidth_gbs(facts.device)
     log(f"copy bandwidth {bandwidth:.0f} GB/s")
-    cache = decode_cache(model, batches, context, attention)
-    cases = decode_cases(model, cache, batches, context) + prefill_cases(model, prefill, attention)
+    cache = decode_cache(facts, batches, context, attention)
+    cases = decode_cases(facts, cache, batches, context) + prefill_cases(facts, prefill, attention)
     log(f"attention backend {cache.backend.name}: {cache!r}")
     _references(model, cases, float_model)
     float_model = None  # noqa: F841  (freed before the modes are built: the A2.7B shape is 28.6 GB in bf16)
     result = SweepResult([], bandwidth_gbs=bandwidth, attention_backend=cache.backend.name)
     for name in modes:
-        rows, facts = _run_mode(name, model, cases, capture_inputs(model, cache), repeats, bandwidth, log,
-                                keep_going)
+        rows, mode_facts = _run_mode(name, model, cases, capture_inputs(facts, cache), repeats, bandwidth, log,
+                                     keep_going)
         result.rows += rows
-        result.modes[name] = facts
+        result.modes[name] = mode_facts
         bench_modes.release()
         if on_mode is not None:
             on_mode(result)

@@ -118,7 +118,8 @@ NATIVE_CRASHES = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")  # not SIG
 
 
 # Bump when a change to the worker may change whether a job that failed fails again: failures (and crashes) of
-# workers of another revision are not held against new ones. 2: the start's torch libraries imported first (stop 48).
+# workers of another revision are not held against new ones. 2: the start's torch libraries imported first (torch's
+# package loader crashed in fresh processes that had not imported FlashInfer, on H100 and H200).
 WORKER_REVISION = 2
 INLINE_INSTEAD = "Config(aot_background=False) packages in the setup instead"
 

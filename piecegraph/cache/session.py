@@ -159,7 +159,7 @@ def _in_process_loads() -> contextlib.AbstractContextManager:
     """A warm entry's pieces are cache hits: Inductor loads their kernels, it compiles none. With more than one
     compile thread it would still start its pool of compile processes at the first kernel (each imports torch:
     seconds of every core, beside the start it should speed up; the H200's warm start took 13.8 s with one
-    thread against 18.1-22.4 s without, stop 32), so the block loads them in this process. A miss then compiles
+    thread against 18.1-22.4 s without), so the block loads them in this process. A miss then compiles
     in this process too. ``TORCHINDUCTOR_COMPILE_THREADS``, when the user set it, is left as it is."""
     if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"):
         return contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """Attribute each graph break: package ▸ entry ▸ cached loader ▸ primitive, its category, location and fix.
 
-Definitions (those of the issue):
+Definitions:
   * ``package``: top-level package of the innermost frame outside Python's standard library and torch (the
     code that called the primitive), or ``"user"`` for the model's own code (its modules are ``user_tops``)
     and code never imported as a module;

@@ -25,7 +25,7 @@ from piecegraph.diagnose.trace import run_under
 from piecegraph.ops.auto_opaque import AutoOp, infer, record_calls
 from piecegraph.ops.modules import identity
 from piecegraph.ops.opaque import is_opaque
-from piecegraph.ops.probe_fake import ProbeRefused
+from piecegraph.ops.probe_calls import ProbeRefused
 from piecegraph.program import token_arguments
 
 __all__ = ["Wrapping", "adapter_covers", "library_entries", "plan_wraps"]

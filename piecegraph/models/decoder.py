@@ -12,6 +12,7 @@ from torch import nn
 
 import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
 from piecegraph.models.config import ModelConfig
+from piecegraph.models.facts import ModelFacts, measure
 
 
 class RMSNorm(nn.Module):
@@ -165,6 +166,11 @@ class Decoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size] -> [T, vocab_size]``."""
         return self.lm_head(hidden)
+
+    def facts(self) -> ModelFacts:
+        """This decoder's device, dtype, cache shape and weight bytes as they are now (measured again on each
+        call: ask once, after ``.to()`` or ``quantize_fp8``, and pass the facts down)."""
+        return measure(self, self.config)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -12,15 +12,10 @@ from piecegraph.attention.metadata import AttentionMetadata, to_device
 from piecegraph.context import forward_context
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
+from piecegraph.models.facts import model_facts
 from piecegraph.program import describe
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype of ``model``'s first parameter (the reference models keep all on one)."""
-    param = next(model.parameters())
-    return param.device, param.dtype
 
 
 @torch.inference_mode()
@@ -40,10 +35,9 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: i
         raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
-    device, dtype = device_dtype(model)
     if cache is None:
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        cache = KVCache.for_sequences(model.config, len(prompts), longest, dtype=dtype, device=device)
+        facts, longest = model_facts(model), max(len(p) for p in prompts) + max_new_tokens
+        cache = KVCache.for_sequences(model.config, len(prompts), longest, dtype=facts.dtype, device=facts.device)
     return greedy_loop(model, cache, prompts, max_new_tokens, prefill_fn=prefill_fn or model,
                        decode_fn=decode_fn or model, stop=stop_ids(eos_token_id))
 

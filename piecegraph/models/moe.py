@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from piecegraph.models.decoder import MLP, Attention, Decoder, DecoderLayer, Model, RMSNorm, Rotary
+from piecegraph.models.facts import ModelFacts, measure
 from piecegraph.models.moe_config import MoEConfig
 
 
@@ -190,6 +191,10 @@ class MoEDecoder(Decoder):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def facts(self) -> ModelFacts:
+        """As :meth:`Decoder.facts`, with the experts top-k routing reaches (``num_experts``, ``top_k``)."""
+        return measure(self, self.config, self.config.num_experts, self.config.top_k)
 
     @classmethod
     def random(cls, config: MoEConfig, seed: int = 0, dtype: torch.dtype = torch.float32,  # type: ignore[override]

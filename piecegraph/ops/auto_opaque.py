@@ -35,7 +35,8 @@ from piecegraph.ops.modules import (
     undo_spots,
 )
 from piecegraph.ops.opaque import OpaqueError, is_opaque, opaque
-from piecegraph.ops.probe_fake import Call, Inferred, ProbeRefused, infer_fake, kind_of, shape_of
+from piecegraph.ops.probe_calls import Call, ProbeRefused, kind_of, shape_of
+from piecegraph.ops.probe_fake import Inferred, infer_fake
 from piecegraph.ops.signature import hints_of, op_schema
 
 __all__ = ["AutoOp", "AutoOpaqueUnseen", "Routes", "opaque_line", "record_calls", "infer", "register", "wrap", "route",
@@ -49,7 +50,7 @@ class AutoOpaqueUnseen(RuntimeError):
 @dataclass
 class AutoOp:
     """One wrapped function: its public name, the object, the opaque drop-in, the line that makes it permanent,
-    the calls its fake holds for (:class:`~piecegraph.ops.probe_fake.Case`) and the names routed to it now."""
+    the calls its fake holds for (:class:`~piecegraph.ops.probe_calls.Case`) and the names routed to it now."""
 
     entry: str
     fn: Callable
@@ -248,7 +249,7 @@ def _check_return(fn: Callable, ret: Any) -> None:
 def infer(fn: Callable, alias: str, calls: list[Call], target: Optional[str] = None) -> AutoOp:
     """Infer and check ``fn``'s fake from ``calls``: an :class:`AutoOp` with its line (assigning ``target``, an
     expression that names ``fn``; default ``alias``), not registered yet (see :func:`register`).
-    :class:`~piecegraph.ops.probe_fake.ProbeRefused` names the reason when it cannot be done safely."""
+    :class:`~piecegraph.ops.probe_calls.ProbeRefused` names the reason when it cannot be done safely."""
     if is_opaque(fn):
         raise ProbeRefused("it is an opaque op already")
     inferred: Inferred = infer_fake(fn, calls)

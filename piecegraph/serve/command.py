@@ -36,6 +36,10 @@ def _modes(text: str) -> list[str]:
     if unknown or not names:
         raise typer.BadParameter(f"unknown modes {unknown}; choose from {', '.join(ENGINE_MODES)}",
                                  param_hint="--modes")
+    repeated = sorted({m for m in names if names.count(m) > 1})
+    if repeated:  # the result file keeps each mode's setup under its name
+        raise typer.BadParameter(f"{', '.join(repeated)} given more than once; use --repeats to run a mode again",
+                                 param_hint="--modes")
     return names
 
 
@@ -110,7 +114,8 @@ def serve_bench(
     reference: bool = typer.Option(True, "--reference/--no-reference", help="also time a decode-only full-graph "
                                    "loop at concurrency 1 (in auto mode): the ITL floor"),
     seed: int = typer.Option(0, help="seed of the random workload"),
-    json_path: Path | None = typer.Option(None, "--json", help="write env, settings and results as JSON"),
+    json_path: Path | None = typer.Option(None, "--json", help="write the result file (the one result schema: "
+                                          "benchmark, env, rows, setup)"),
     plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG: throughput, TTFT, ITL by concurrency"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),
@@ -162,7 +167,7 @@ def serve_bench(
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference,
                 repeats=repeats)
-    env = {**_environment(model, device, dtype, backend, plan, quant), "interleave": interleave, **run.facts()}
+    env = _environment(model, device, dtype, backend, plan, quant, interleave=interleave, **run.facts())
 
     def log(line: str) -> None:  # plain: tracebacks hold brackets that rich would read as markup
         if reports:
@@ -173,7 +178,7 @@ def serve_bench(
             write_json(json_path, payload(env, results))
 
     if reports:
-        console.print(f"[bold]serve-bench[/]: {model} on {env['device']} ({env['dtype']}, {backend} attention"
+        console.print(f"[bold]serve-bench[/]: {model} on {env['gpu']} ({env['dtype']}, {backend} attention"
                       f"{f', tp {tp}' if tp > 1 else ''}), modes {', '.join(mode_list)}, concurrency {conc}, "
                       f"requests {[plan.num_requests(c) for c in conc]}")
     with capture_progress() if reports else contextlib.nullcontext(lambda mode: None) as progress:
@@ -182,7 +187,7 @@ def serve_bench(
     save(results)
     run.finish()
     if reports:
-        _report(results, f"{model} {env['dtype']} on {env['device']}{f' x{tp} (tp)' if tp > 1 else ''}, torch "
+        _report(results, f"{model} {env['dtype']} on {env['gpu']}{f' x{tp} (tp)' if tp > 1 else ''}, torch "
                 f"{env['torch']}, {backend} attention", json_path, plot_path)
 
 
@@ -202,15 +207,16 @@ def _report(results: list[dict[str, Any]], title: str, json_path: Path | None, p
         raise typer.Exit(1)
 
 
-def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan: Any, quant: str = "bf16"
-                 ) -> dict[str, Any]:
+def _environment(model: str, device: str, dtype: torch.dtype, backend: str, plan: Any, quant: str = "bf16",
+                 world_size: int = 1, **extra: Any) -> dict[str, Any]:
+    """The result's ``env`` (the one result schema's keys, ``attention`` the resolved backend) and the run's
+    settings: workload, engine config, concurrencies, requests, warm-up, repeats, how times are taken."""
     from dataclasses import asdict
 
-    return {
-        "model": model, "dtype": str(dtype).removeprefix("torch."), "quant": quant, "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "attention_backend": backend,
-        "workload": asdict(plan.workload), "engine": asdict(plan.engine), "concurrency": list(plan.concurrencies),
-        "requests": {c: plan.num_requests(c) for c in plan.concurrencies}, "warmup": plan.warmup,
-        "repeats": plan.repeats,
-        "timing": "wall time (perf_counter) when each step's tokens reach the host (a device sync on GPU)",
-    }
+    from piecegraph.results.schema import device_name, environment
+
+    return environment(
+        attention=backend, model=model, dtype=dtype, quant=quant, world_size=world_size, gpu=device_name(device),
+        workload=asdict(plan.workload), engine=asdict(plan.engine), concurrency=list(plan.concurrencies),
+        requests={c: plan.num_requests(c) for c in plan.concurrencies}, warmup=plan.warmup, repeats=plan.repeats,
+        timing="wall time (perf_counter) when each step's tokens reach the host (a device sync on GPU)", **extra)

@@ -66,13 +66,13 @@ class EngineConfig:
             entries), then captured whole as before: a fraction of the compile time (the whole program was 25-29
             s of the 0.5B auto engine's 36 s start on the H200), steps slower until the whole graph's package is
             swapped in (``cache_dir`` with background packaging; 1.16x the output tok/s after the swap at c=256 on
-            an H100, stop 49). ``"auto"`` (default): ``"pieces"`` where that swap will come, else ``"whole"``.
+            an H100). ``"auto"`` (default): ``"pieces"`` where that swap will come, else ``"whole"``.
         share_trace: auto's full module builds its program from the piecewise module's Dynamo trace
             (``GraphedModule.trace_from``) instead of tracing the model a second time (3.7 s of the 0.5B start);
             where that trace cannot be shared it traces as before. The full module then takes the piecewise
             module's compiled pieces too where it compiles by pieces (``piecegraph/trace/handover.py``): it set up
-            in 1.7 s instead of 25.7 on CPU. On by default (stop 49: the same greedy tokens, and the same steps
-            once swapped, on an H100); ``False`` traces twice.
+            in 1.7 s instead of 25.7 on CPU. On by default (on an H100: the same greedy tokens, and the same
+            steps once swapped); ``False`` traces twice.
         cache_dir: piecegraph's artifact cache for the engine's modules (:class:`piecegraph.Config` ``cache_dir``:
             a folder, ``True`` for the default folder, ``False`` off, ``None``: ``$PIECEGRAPH_CACHE_DIR`` if set).
         aot_package: with a cache, keep AOTInductor packages of the modules' compiled pieces in it, so a warm

@@ -66,13 +66,13 @@ def step_table(records: list[Any]) -> Table:
 def reference(net: torch.nn.Module, steps: int, backend: str | None = None) -> list[list[int]]:
     """Each prompt generated alone, eagerly (greedy): what the engine must reproduce."""
     from piecegraph.attention.kv_cache import KVCache
-    from piecegraph.models.generate import generate
+    from piecegraph.models import generate, model_facts
 
-    prompts = [[t % net.config.vocab_size for t in p] for p in PROMPTS]
-    param = next(net.parameters())
+    facts = model_facts(net)
+    prompts = [[t % facts.vocab_size for t in p] for p in PROMPTS]
     out = []
     for p in prompts:
-        cache = KVCache.for_sequences(net.config, 1, len(p) + steps, dtype=param.dtype, device=param.device,
+        cache = KVCache.for_sequences(facts.config, 1, len(p) + steps, dtype=facts.dtype, device=facts.device,
                                       backend=backend)
         out.append(generate(net, [p], steps, cache=cache)[0])
     return out

@@ -31,13 +31,14 @@ import torch
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.graphs.capture import timed_capture
+from piecegraph.models import model_facts
 from piecegraph.models.generate import start_host_copy
 from piecegraph.program import describe
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
 from piecegraph.serve.gc_pauses import frozen_heap
 from piecegraph.serve.inputs import StepInputs, build_inputs
-from piecegraph.serve.kv_budget import KVBudget, free_device_bytes, kv_budget, page_bytes
+from piecegraph.serve.kv_budget import KVBudget, free_device_bytes, kv_budget
 from piecegraph.serve.request import Request, SamplingParams, Status
 from piecegraph.serve.sampling import sample_on_device
 from piecegraph.serve.scheduler import Batch, Scheduler
@@ -74,16 +75,18 @@ class Engine:
     """Continuous batching over a flat-token model, with graphs chosen per step (see ``executor.py``).
 
     ``model``: ``forward(input_ids [T], positions [T]) -> hidden [T, ...]`` inside a forward context,
-    ``logits(hidden) -> [rows, vocab]``, and ``.config`` with the KV-cache shape (``num_layers``,
-    ``num_kv_heads``, ``head_dim``, ``max_seq_len``, ``attention_backend``): the reference decoder, or a Hugging
-    Face wrapper with that interface. ``cache``: a KV cache to use (default: one built from ``config``); the engine
-    owns its sequences. Graphs are captured here, before the first request (``progress`` is told each size), so
-    ``setup_s`` and :meth:`capture_report` say what start cost. One thread at a time.
+    ``logits(hidden) -> [rows, vocab]``, and ``.config``, a :class:`~piecegraph.models.ModelConfig` of the
+    KV-cache shape: the reference decoder, or a Hugging Face wrapper with that interface. Its device, dtype, cache
+    shape and vocabulary are read once, as :attr:`facts` (``piecegraph.models.model_facts``). ``cache``: a KV
+    cache to use (default: one built from ``config``); the engine owns its sequences. Graphs are captured here,
+    before the first request (``progress`` is told each size), so ``setup_s`` and :meth:`capture_report` say what
+    start cost. One thread at a time.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *, cache: KVCache | None = None,
                  progress: Progress | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
+        self.facts = model_facts(model)  # device, dtype, cache shape, vocabulary: read once, here
         self.cache_budget: KVBudget | None = None  # how a default cache was sized (serve/kv_budget.py)
         self.cache = cache or self._build_cache()
         self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
@@ -117,25 +120,23 @@ class Engine:
                 "outputs per size: they need the most)")
 
     def _build_cache(self) -> KVCache:
-        cfg, model_cfg = self.config, self.model.config
-        param = next(self.model.parameters())
-        max_len = cfg.max_seq_len or model_cfg.max_seq_len
+        cfg, facts = self.config, self.facts
+        max_len = cfg.max_seq_len or facts.config.max_seq_len
         pages = cfg.num_pages
         if pages is None:
             budget = kv_budget(
                 max_num_seqs=cfg.max_num_seqs, max_seq_len=max_len, page_size=cfg.page_size,
-                page_bytes=page_bytes(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                      cfg.page_size, param.dtype),
-                fraction=cfg.kv_cache_memory, free_bytes=free_device_bytes(param.device))
+                page_bytes=cfg.page_size * facts.kv_bytes_per_token(),
+                fraction=cfg.kv_cache_memory, free_bytes=free_device_bytes(facts.device))
             (log.warning if budget.trimmed else log.info)(budget.describe())
             pages, self.cache_budget = budget.pages, budget
-        elif param.device.type == "cuda":
+        elif facts.device.type == "cuda":
             # as free_device_bytes does for the sized cache: a dropped engine in a reference cycle (the previous
-            # mode of serve-bench) must not hold its cache's memory against this one (stop 40: an FP8 MoE
+            # mode of serve-bench) must not hold its cache's memory against this one (on the H200 an FP8 MoE
             # breakable engine ran out allocating 30,000 pages with 134 GiB still allocated)
             gc.collect()
-        return KVCache(model_cfg, pages, cfg.page_size, dtype=param.dtype, device=param.device, max_seq_len=max_len,
-                       backend=cfg.attention_backend)
+        return KVCache(facts.config, pages, cfg.page_size, dtype=facts.dtype, device=facts.device,
+                       max_seq_len=max_len, backend=cfg.attention_backend)
 
     # -- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
@@ -151,7 +152,7 @@ class Engine:
         if rid in self._ids:
             raise ValueError(f"request id {describe(rid)} was already submitted to this engine; ids are unique")
         request = Request.make(rid, prompt, params, time.perf_counter() if arrival is None else arrival)
-        vocab, prompt = self.model.config.vocab_size, request.prompt
+        vocab, prompt = self.facts.vocab_size, request.prompt
         # checked here: out of range, the embedding fails mid-step (a device assert on a GPU); min/max first, in C
         bad = [t for t in prompt if not 0 <= t < vocab] if min(prompt) < 0 or max(prompt) >= vocab else []
         if bad:

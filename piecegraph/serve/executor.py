@@ -213,12 +213,12 @@ def time_replays(module: Any, model: torch.nn.Module, cache: Any, n: int, overla
     ``overlap=False`` (the synchronous loop): each step alone, its host work, launches and device time in series
     (:func:`~piecegraph.graphs.capture.time_ms`). A step timed on metadata built beforehand hid the host work:
     measured 1.65 ms piecewise against full's 1.73 at 16 rows, auto replayed it at c=10 and served 2.7k tok/s where
-    full graphs served 4.7k (H200, stop 36); the synchronous auto replayed piecewise at every size of a c=1 run
-    (260 tok/s, stop 37).
+    full graphs served 4.7k (H200); the synchronous auto replayed piecewise at every size of a c=1 run
+    (260 tok/s).
 
     The rows differ as a served batch's do (:func:`timing_rows`): on pad rows, which all read the one scratch slot,
     every row of a mixture of experts routed alike, to 4 of 60 experts, and a 16-row step timed 4.8 ms where
-    served steps of 10 rows took ~10 ms (FP8 Qwen1.5-MoE shape, H200, stop 40). The pages it takes are freed."""
+    served steps of 10 rows took ~10 ms (FP8 Qwen1.5-MoE shape, H200). The pages it takes are freed."""
     with timing_rows(model, cache, n) as make:
 
         def step(_: int) -> None:
@@ -265,7 +265,7 @@ def timing_context(cache: Any, n: int) -> int:
     mean length when requests fill it), fewer where the free pages cannot give ``n`` rows that many; -1 when
     they cannot give each row one page. A decode step's attention is not the same work at 1 token and at ~600:
     on one-token rows the FP8 MoE's 1024-row step timed 30.0 ms, served ones took 42.2; with this context it
-    timed 42.9 (H200, stop 41)."""
+    timed 42.9 (H200)."""
     pages_per_row = cache.num_free_pages // n
     if pages_per_row < 1:
         return -1

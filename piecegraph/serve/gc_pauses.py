@@ -3,7 +3,7 @@ and how long the collector paused a run.
 
 After ``torch.compile`` the process holds hundreds of thousands of objects the collector tracks (Dynamo's and
 Inductor's state, FX graphs, compiled modules; 420k for the tiny model on the CPU), and a full (generation 2)
-collection walks all of them. On the H200 (stop 37) full collections fell inside 5 of 15 serve-bench runs at
+collection walks all of them. On the H200 full collections fell inside 5 of 15 serve-bench runs at
 c=1024, 150-420 ms each in runs of 2.4-12 s (piecewise: 42.3k output tok/s in the run with 424 ms of GC, 47.3k and
 49.3k in the two without). :func:`frozen_heap` moves what exists when a loop starts out of the collector's reach
 (``gc.freeze``, as vLLM's and SGLang's servers do after start-up) and gives it back when the loop ends

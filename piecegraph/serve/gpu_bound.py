@@ -1,7 +1,7 @@
 """What the GPU allows for a serve-bench workload: the engine's own graph step times, enqueued back to back so
 the host's launch work hides behind the device, summed over the steps the workload needs.
 
-An estimate, for the issue's target (auto >= 60% of it), not a measurement of a run: decode steps are timed at
+An estimate (the target: auto serves at least 60% of it), not a measurement of a run: decode steps are timed at
 the workload's mean context (prompt + half the output) with ``min(concurrency, requests)`` rows; prefill at the
 per-step token budget, per token. The bench's ``baked-graph`` rows (each step one whole graph) are the stricter
 floor; these are the graphs the engine actually replays. CUDA only (``None`` elsewhere).
@@ -28,7 +28,7 @@ def estimate(work: Sequence[tuple[Sequence[int], int]], concurrency: int, timer:
     prompt tokens at the prefill rate of a ``budget``-token step, then ``sum(outputs - 1) / rows`` decode steps
     of ``rows = min(concurrency, len(work), fits(context))`` rows at the mean context. ``fits(context)``: how many
     sequences of that context the engine runs at once (its KV pages and ``max_num_seqs``; ``None``: no limit);
-    without it a concurrency beyond the cache's room failed to reserve its rows (stop 40, c=1024)."""
+    without it a concurrency beyond the cache's room failed to reserve its rows (at c=1024 on the H200)."""
     prompts = sum(len(p) for p, _ in work)
     outputs = sum(n for _, n in work)
     context = round(prompts / len(work) + outputs / len(work) / 2)
@@ -57,8 +57,7 @@ def engine_timer(engine: Any, repeats: int = 8) -> StepTimer:
     step of that shape would replay (``executor.pick``) and the LM head with argmax on the rows it samples (one per
     sequence: every row of a decode step), called ``repeats`` times back to back after one warm call
     (:func:`~piecegraph.graphs.capture.pipelined_ms`: one pair of CUDA events). The sequences it makes are freed
-    again. (Before stop 35 the LM head was left out: a 0.5B-shaped step at batch 1 reads its 272 MB too, ~60 us
-    on an H200.)"""
+    again. (The LM head counts: a 0.5B-shaped step at batch 1 reads its 272 MB too, ~60 us on an H200.)"""
     cache = engine.cache
 
     def timer(kind: str, n: int, context: int) -> float:

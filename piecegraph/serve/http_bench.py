@@ -302,9 +302,15 @@ def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[
     except Exception as err:  # noqa: BLE001  (a refused connection or a server error: say it, exit 1)
         console.print(f"[red]serve-bench --url {url} failed: {type(err).__name__}: {err}[/]")
         raise typer.Exit(1) from None
-    env = {"url": url, "model": result["model"], "workload": dataclasses.asdict(workload),
-           "concurrency": list(concurrencies), "requests": counts, "warmup": warmup, "repeats": repeats,
-           "timing": "client wall time (time.monotonic: one clock for all client processes) at each streamed event"}
+    from piecegraph.results.schema import environment
+
+    # The server's own device, dtype and attention are not visible over HTTP: gpu is the client's machine's (the
+    # server's too when it runs there, as the GPU check runs it), the others null.
+    env = environment(attention=None, model=result["model"], dtype=None, quant=None, url=url,
+                      gpu_of="the client's machine", workload=dataclasses.asdict(workload),
+                      concurrency=list(concurrencies), requests=counts, warmup=warmup, repeats=repeats,
+                      timing="client wall time (time.monotonic: one clock for all client processes) at each "
+                             "streamed event")
     title = f"serving over HTTP: {result['model']} at {url}; latencies in ms"
     console.print(table([result], title))
     if json_path:

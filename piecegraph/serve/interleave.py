@@ -1,13 +1,13 @@
 """serve-bench with the modes' runs interleaved: every mode's engine started first, on one shared KV cache, then
 each concurrency's repeats run mode after mode, the order rotated each repeat (A B, then B A).
 
-Run one mode after another, a comparison of close modes also measures the order: on the H200 (stop 41) the FP8
-MoE's piecewise engine served c=1 at 218 output tok/s first in its process and at 167 second, its host launch
-work per step 2.9 against 5.4 ms (clocks were steady: stop 42). Interleaved, each mode's runs meet the host's drift
-alike, and the median of rotated repeats leaves no mode
-always first. The engines share one KV cache (a second one would take a second share of the GPU's memory), which is
-safe because runs never overlap: every run ends with every page free (``measure`` checks). Memory: every engine's
-graphs and compiled code at once, so a mode that keeps many buffers (breakable) may not fit beside the others.
+Run one mode after another, a comparison of close modes also measures the order: on the H200 the FP8 MoE's piecewise
+engine served c=1 at 218 output tok/s first in its process and at 167 second, its host launch work per step 2.9
+against 5.4 ms (the SM clock held 1,980 MHz, unthrottled, in a later run). Interleaved, each mode's runs meet the
+host's drift alike, and the median of rotated repeats leaves no mode always first. The engines share one KV cache (a
+second one would take a second share of the GPU's memory), which is safe because runs never overlap: every run ends
+with every page free (``measure`` checks). Memory: every engine's graphs and compiled code at once, so a mode that
+keeps many buffers (breakable) may not fit beside the others.
 """
 
 from __future__ import annotations

@@ -42,15 +42,11 @@ class KVBudget:
                 "(EngineConfig.num_pages sets it)")
 
 
-def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page over every layer, keys and values."""
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
-
-
 def kv_budget(*, max_num_seqs: int, max_seq_len: int, page_size: int, page_bytes: int, fraction: float,
               free_bytes: int | None) -> KVBudget:
     """Pages for the engine's cache: every sequence at its longest when that fits in ``fraction`` of
-    ``free_bytes`` (or ``free_bytes`` is ``None``), else what fits. Raises ``ValueError`` naming the settings
+    ``free_bytes`` (or ``free_bytes`` is ``None``), else what fits. ``page_bytes``: one page's keys and values
+    over every layer (``page_size * ModelFacts.kv_bytes_per_token()``). Raises ``ValueError`` naming the settings
     when not even one sequence of ``max_seq_len`` tokens fits."""
     per_seq = pages_for(max_seq_len, page_size)
     wanted = max_num_seqs * per_seq + 1

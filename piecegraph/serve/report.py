@@ -1,12 +1,20 @@
-"""The serving benchmark's outputs: a rich table, the JSON payload, and a PNG (matplotlib, Agg backend)."""
+"""The serving benchmark's outputs: a rich table, the result file, and a PNG (matplotlib, Agg backend).
+
+The file is the one result schema (:mod:`piecegraph.results.schema`) with ``benchmark`` ``"serve-bench"``: one
+row per mode and concurrency (``mode``, ``concurrency``, throughput, TTFT, ITL, steps by graph kind, ...), and the
+extra key ``setup``: per mode, what is not a row (its engine's ``capture`` report, ``decode_reference``,
+``gpu_bound`` estimates, ``error``, ``wall_s``). :func:`results_of` turns a loaded file back into the per-mode
+results the tables and the plot take.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from rich.table import Table
+
+from piecegraph.results.schema import Result, write_result
 
 _COLUMNS = (
     ("mode", "mode", "{}"), ("conc", "concurrency", "{}"), ("reqs", "requests", "{}"),
@@ -116,12 +124,25 @@ def _fmt(fmt: str, value: Any) -> str:
 
 
 def payload(env: dict[str, Any], results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON document: environment and settings, then per mode its capture report, rows and reference."""
-    return {"env": env, "modes": list(results)}
+    """The result file's object: every mode's rows in ``rows`` (each names its ``mode``), the rest of each mode's
+    result under ``setup[mode]``. Constraint: mode names are unique (the command refuses a repeated one)."""
+    rows = [{"mode": result["mode"], **row} for result in results for row in result["rows"]]
+    setup = {result["mode"]: {k: v for k, v in result.items() if k not in ("mode", "rows")} for result in results}
+    return {"benchmark": "serve-bench", "env": env, "rows": rows, "setup": setup}
+
+
+def results_of(result: Result) -> list[dict[str, Any]]:
+    """A loaded ``serve-bench`` file as the sweep's per-mode results (``mode``, ``rows`` and the mode's
+    ``setup`` entries), modes in the order they ran, for :func:`table` and :func:`plot`."""
+    setup = result.extra.get("setup") or {}
+    modes = list(dict.fromkeys([*setup, *(row["mode"] for row in result.rows)]))
+    return [{"mode": mode, **setup.get(mode, {}), "rows": [row for row in result.rows if row["mode"] == mode]}
+            for mode in modes]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    """Write :func:`payload`'s object, checked against the schema (:func:`~piecegraph.results.schema.write_result`)."""
+    write_result(path, **data)
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:

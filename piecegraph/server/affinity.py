@@ -5,7 +5,7 @@ Behind HTTP it shares the machine's cores with the front ends (parsing, detokeni
 the load generator, and the H200 runs measured its host phases ~1.2-1.5x slower than in an engine alone. Pinning
 gives the engine process CPUs of its own: the engine process runs on them only, and the front-end processes (this
 one and those it spawns, which inherit its mask) on the rest. Linux only (``os.sched_setaffinity``). Off by
-default: on the H200 (stop 38) ``auto`` served within the host's run-to-run spread of no pinning.
+default: on the H200 ``auto`` served within the host's run-to-run spread of no pinning.
 """
 
 from __future__ import annotations

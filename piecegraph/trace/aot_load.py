@@ -70,7 +70,7 @@ def torch_libraries() -> tuple[str, ...]:
 
     Why: on the H100 and H200 machines (torch 2.11), torch's package loader crashed (SIGSEGV in ``std::regex``,
     in the package's own ``parse_device_str``, as it built the model) in every fresh process that had not imported
-    FlashInfer, packages made in a setup too, and loaded each one once FlashInfer was imported (stop 48). The
+    FlashInfer, packages made in a setup too, and loaded each one once FlashInfer was imported. The
     background worker, a fresh process, lacked it. A package is therefore made, checked and loaded only in
     processes that imported what the start had (the compiler stack, which torch's own requirements are, is not
     among them: a warm start does not import it)."""
@@ -133,7 +133,7 @@ def load_packaged(record: PackagedProgram, folder: Path, config: Config, device_
     then compiles)."""
     if record.format != FORMAT or record.torch_version != torch.__version__:
         raise LookupError(f"packaged program of format {record.format}, torch {record.torch_version}")
-    import_libraries(getattr(record, "libraries", ()))  # a record pickled before stop 48 has none
+    import_libraries(getattr(record, "libraries", ()))  # a record pickled before libraries were recorded has none
     specs = [dataclasses.replace(spec, device_index=device_index) if spec.device_index >= 0
              and device_index is not None else spec for spec in record.units]
     units = [PackagedUnit(folder / spec.file, spec) for spec in specs]

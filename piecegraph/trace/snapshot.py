@@ -15,7 +15,8 @@ some other way. The cache key covers the model's classes' code, its config, para
 the snapshot keeps a sha256 of every source file a node's stack trace names (a helper or a module-level constant
 edited in any file that produced graph ops; :func:`check_fresh`), and the trace's snapshot a digest of the
 model's plain attributes (``layer.scale = 2.0`` set after construction) and of the global state a trace bakes in
-(:func:`attribute_digest`, compared by :func:`piecegraph.build.load_trace`). Not seen: a constant imported from a
+(:func:`attribute_digest`, compared by
+:func:`piecegraph.graphed.build.load_trace`). Not seen: a constant imported from a
 file that made no graph op into one that did; clear the cache (``piecegraph cache clear``) after editing such.
 
 Only what the snapshot can state exactly is snapshotted: a dynamic trace whose placeholders are SymInts that
@@ -245,7 +246,7 @@ def _op_writes(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> bool:
 def op_writes_count(gm: torch.fx.GraphModule) -> dict[str, int]:
     """How many times ``gm`` calls each torch op that may write (:func:`_op_writes`: split ops such as attention,
     custom ops writing an argument): a restored graph must call them exactly as Dynamo's did, whatever FX's
-    dead-code pass thought of them on the torch at hand (:func:`piecegraph.build` refuses the snapshot else)."""
+    dead-code pass thought of them on the torch at hand (:func:`piecegraph.graphed.build` refuses the snapshot else)."""
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         target = node.target

@@ -32,7 +32,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12]]
 
 
 # One mode: a piecewise program's units are described as a full graph's (by _compile_piece), the warm load is
-# stop 43's (test_aot_package.py), and the engine test below packages a piecewise module in the background too.
+# test_aot_package.py's, and the engine test below packages a piecewise module in the background too.
 @pytest.mark.parametrize("mode", ["full-pieces"])
 def test_the_start_is_ready_on_inductor_code_and_the_next_one_loads_the_workers_packages(tmp_path, mode):
     # full-pieces: the cold start compiles the full graph by pieces (fast), the worker packages it whole

@@ -1,6 +1,6 @@
 """Packages are made, checked and loaded only in processes that imported the start's torch libraries
 (trace/aot_load.py ``torch_libraries``): on the H100 and H200, torch's package loader crashed in every fresh process
-that had not imported FlashInfer, and loaded every package once it had (stop 48). Two installed distributions are
+that had not imported FlashInfer, and loaded every package once it had. Two installed distributions are
 made up here: one that requires torch (a kernel library) and one that needs torch only through an extra. And a
 setup that packages in the caller's process loads its first package in a fresh process first."""
 

@@ -44,7 +44,7 @@ START = r"""
 import json, sys
 import torch
 import piecegraph
-import piecegraph.build
+import piecegraph.graphed.build
 from piecegraph.attention import AttentionMetadata, KVCache
 from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 torch.set_num_threads(1)
@@ -52,7 +52,7 @@ root, mode, aot = sys.argv[1], sys.argv[2], sys.argv[3]
 if "broken" in sys.argv[4:]:
     def broken(*args, **kwargs):
         raise RuntimeError("Error in dlopen: a package of another machine")
-    piecegraph.build.load_packaged = broken
+    piecegraph.graphed.build.load_packaged = broken
 model = Decoder.random(TINY, seed=0).eval()
 if "changed" in sys.argv[4:]:  # set on the instance: what Dynamo would guard on, neither code nor config
     model.model.norm.eps = 0.5

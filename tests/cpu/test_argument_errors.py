@@ -1,5 +1,5 @@
 """Argument errors as a new user meets them: each names the argument and what it accepts, and describes a tensor
-by its shape and dtype, never by its values (issue 20, part 5)."""
+by its shape and dtype, never by its values."""
 
 import re
 

@@ -201,7 +201,7 @@ class _WithABranch(TwoLayers):
 def test_auto_falls_back_without_tracing_again_what_its_last_retrace_already_refused(monkeypatch):
     """The module's traces: the first attempt and one after the fix round; the advisor's last retrace error is the
     module's as it stands, so the fallback (eager on CPU) does not trace a third time, and equals eager."""
-    from piecegraph.graphed_module import GraphedModule
+    from piecegraph.graphed.module import GraphedModule
 
     tries = []
     real = GraphedModule._try_trace

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from piecegraph.ops.probe_fake import Call, ProbeRefused, infer_fake
+from piecegraph.ops.probe_calls import Call, ProbeRefused
+from piecegraph.ops.probe_fake import infer_fake
 from piecegraph.ops.signature import make_fake
 
 DTYPES = (torch.float32, torch.float64, torch.int32)

@@ -18,15 +18,16 @@ from piecegraph.bench import sweep
 from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases, prefill_lengths
 from piecegraph.bench.harness import Row
 from piecegraph.bench.profile import attention_op_us
-from piecegraph.bench.report import compact, result_name
+from piecegraph.bench.report import compact, result_stem
 from piecegraph.cli import app
 from piecegraph.cli_common import load_model
 from piecegraph.context import forward_context
 from piecegraph.models import TINY, Decoder
+from piecegraph.results import load_result
 
 runner = CliRunner()
-ENV_KEYS = {"gpu", "torch", "model", "dtype", "date", "bandwidth_gbs", "context", "repeats", "attention",
-            "attention_backend", "inductor_graph_partition"}
+ENV_KEYS = {"gpu", "torch", "flashinfer", "model", "dtype", "quant", "world_size", "date", "commit", "bandwidth_gbs",
+            "context", "repeats", "attention", "attention_option", "inductor_graph_partition"}
 ROW_KEYS = {"mode", "phase", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -34,6 +35,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def tiny():
     return Decoder.random(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_facts(tiny):
+    return tiny.facts()
 
 
 def _backend_name(requested: str) -> str:
@@ -47,9 +53,10 @@ def test_smoke_run_writes_json_png_and_profile(tmp_path):
                                  "8", "--repeats", "2", "--json", str(out), "--plot", str(png), "--profile", "none:1"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
+    assert load_result(out).benchmark == data["benchmark"] == "bench"  # the one result schema
     env = data["env"]
-    assert ENV_KEYS <= set(env) and env["gpu"] == "cpu" and env["bandwidth_gbs"] > 0
-    assert env["attention"] == "auto" and env["attention_backend"] == _backend_name("auto")
+    assert ENV_KEYS <= set(env) and env["gpu"] == "cpu" and env["bandwidth_gbs"] > 0 and env["world_size"] == 1
+    assert env["attention_option"] == "auto" and env["attention"] == _backend_name("auto")
     assert {(r["mode"], r["phase"], r.get("batch", r.get("tokens"))) for r in data["rows"]} == {
         (m, p, s) for m in ("eager", "none") for p, sizes in (("decode", (1, 2)), ("prefill", (16, 40))) for s in sizes}
     for row in data["rows"]:
@@ -58,19 +65,19 @@ def test_smoke_run_writes_json_png_and_profile(tmp_path):
         assert row["ms"] > 0 and row["tok_s"] > 0 and 0 < row["hbm_frac"] and row["rel_err"] < 1e-5
     prefill_seqs = {r["tokens"]: r["seqs"] for r in data["rows"] if r["phase"] == "prefill"}
     assert prefill_seqs == {t: len(prefill_lengths(t)) for t in (16, 40)}
-    assert data["modes"]["none"]["pieces"] == TINY.num_layers + 1  # split at each attention op
-    startup = data["modes"]["none"]["startup"]  # the setup split into its stages
+    assert data["setup"]["none"]["pieces"] == TINY.num_layers + 1  # split at each attention op
+    startup = data["setup"]["none"]["startup"]  # the setup split into its stages
     assert startup["trace_s"] > 0 and startup["compile_s"] >= 0 and startup["prewarm_s"] >= 0
     assert startup["diagnose_s"] == 0  # the reference decoder traces at once: nothing to diagnose
     profile = data["profile"]
     assert profile["split_calls_per_step"] == TINY.num_layers and profile["aten_ops_per_split"] > 5
-    assert profile["attention_backend"] == env["attention_backend"]
+    assert profile["attention_backend"] == env["attention"]
     op_us = data["attention_op_us"]
     assert "failed" not in op_us and op_us["decode_1"] > 0 and op_us["prefill_512"] > 0
     bytes_ = png.read_bytes()
     assert bytes_.startswith(PNG_SIGNATURE) and len(bytes_) > 10_000  # two drawn panels, not an empty canvas
     text = compact(data)
-    assert "prefill" in text and "skip" not in text and f"{env['attention_backend']} attention" in text
+    assert "prefill" in text and "skip" not in text and f"{env['attention']} attention" in text
     assert "attention op CPU us per call" in text
 
 
@@ -80,7 +87,7 @@ def test_attention_flag_picks_the_backend_and_the_json_records_it(tmp_path):
                                  "1", "--prefill", "", "--context", "4", "--repeats", "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
     env = json.loads(out.read_text())["env"]
-    assert env["attention"] == "torch" and env["attention_backend"] == _backend_name("torch") == TorchBackend.name
+    assert env["attention_option"] == "torch" and env["attention"] == _backend_name("torch") == TorchBackend.name
     assert f"{TorchBackend.name} attention" in result.output  # the table title names the backend
 
 
@@ -140,20 +147,20 @@ def test_modes_that_cannot_run_here_are_skipped_with_a_reason(tmp_path):
     assert png.read_bytes().startswith(PNG_SIGNATURE)
 
 
-def test_graph_partition_without_the_inductor_config_is_skipped_naming_it(tiny, monkeypatch):
+def test_graph_partition_without_the_inductor_config_is_skipped_naming_it(tiny, tiny_facts, monkeypatch):
     import torch._inductor.config as inductor_config
 
     for name in bench_modes.GRAPH_PARTITION_CONFIG:  # this torch has them: the row is skipped for the GPU only
         assert hasattr(inductor_config, name)
     monkeypatch.setitem(bench_modes.GRAPH_PARTITION_CONFIG, "no_such_partition_option", True)
     assert not hasattr(inductor_config, "no_such_partition_option")
-    (case,) = decode_cases(tiny, decode_cache(tiny, [1], 4), [1], 4)
+    (case,) = decode_cases(tiny_facts, decode_cache(tiny_facts, [1], 4), [1], 4)
     rows, facts = sweep._run_mode("graph-partition", tiny, [case], None, 1, 10.0, lambda s: None)
     assert "no_such_partition_option" in rows[0].skipped and rows[0].skipped == facts["skipped"]
     assert "custom_should_partition_ops" not in rows[0].skipped  # only the missing names
 
 
-def test_graph_partition_patches_inductor_only_for_its_own_calls(tiny, monkeypatch):
+def test_graph_partition_patches_inductor_only_for_its_own_calls(tiny, tiny_facts, monkeypatch):
     # Forced onto CPU (Inductor skips CUDA graphs there): the rows must match eager, every call must run under
     # the partition config, and the config must be back to what it was once the mode is done.
     import torch._inductor.config as inductor_config
@@ -172,10 +179,11 @@ def test_graph_partition_patches_inductor_only_for_its_own_calls(tiny, monkeypat
         return call
 
     monkeypatch.setattr(torch, "compile", spy_compile)
-    cache = decode_cache(tiny, [2], context=4)
-    cases = decode_cases(tiny, cache, [2], 4) + prefill_cases(tiny, [12])
+    cache = decode_cache(tiny_facts, [2], context=4)
+    cases = decode_cases(tiny_facts, cache, [2], 4) + prefill_cases(tiny_facts, [12])
     sweep._references(tiny, cases)
-    rows, _ = sweep._run_mode("graph-partition", tiny, cases, capture_inputs(tiny, cache), 1, 10.0, lambda s: None)
+    make_inputs = capture_inputs(tiny_facts, cache)
+    rows, _ = sweep._run_mode("graph-partition", tiny, cases, make_inputs, 1, 10.0, lambda s: None)
     decode, prefill = rows
     assert decode.skipped is None and prefill.skipped is None, (decode.skipped, prefill.skipped)
     assert decode.rel_err < 1e-4 and prefill.rel_err < 1e-4
@@ -185,30 +193,31 @@ def test_graph_partition_patches_inductor_only_for_its_own_calls(tiny, monkeypat
     assert {k: getattr(inductor_config, k) for k in before} == before
 
 
-def test_full_graph_modes_skip_varlen_prefill(tiny, monkeypatch):
+def test_full_graph_modes_skip_varlen_prefill(tiny, tiny_facts, monkeypatch):
     # Force "full" to build on CPU (it falls back to running the traced ops): its prefill row must be a skip.
     monkeypatch.setattr(bench_modes, "unavailable", lambda name: None)
-    cache = decode_cache(tiny, [2], context=4)
-    cases = decode_cases(tiny, cache, [2], 4) + prefill_cases(tiny, [12])
+    cache = decode_cache(tiny_facts, [2], context=4)
+    cases = decode_cases(tiny_facts, cache, [2], 4) + prefill_cases(tiny_facts, [12])
     sweep._references(tiny, cases)
     with pytest.warns(UserWarning):
-        rows, facts = sweep._run_mode("full", tiny, cases, capture_inputs(tiny, cache), 1, 10.0, lambda s: None)
+        rows, facts = sweep._run_mode("full", tiny, cases, capture_inputs(tiny_facts, cache), 1, 10.0, lambda s: None)
     decode, prefill = rows
     assert decode.ms > 0 and decode.rel_err < 1e-5 and decode.skipped is None
     assert prefill.skipped == bench_modes.FULL_PREFILL and prefill.ms is None
     assert "setup_s" in facts
 
 
-def test_a_mode_that_fails_to_build_is_a_skipped_result(tiny, monkeypatch):
+def test_a_mode_that_fails_to_build_is_a_skipped_result(tiny, tiny_facts, monkeypatch):
     monkeypatch.setattr(bench_modes, "unavailable", lambda name: None)
     monkeypatch.setattr(bench_modes, "prepare", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom\nmore")))
-    cache, logged = decode_cache(tiny, [1], context=4), []
-    rows, facts = sweep._run_mode("piecewise", tiny, decode_cases(tiny, cache, [1], 4), None, 1, 10.0, logged.append)
+    cache, logged = decode_cache(tiny_facts, [1], context=4), []
+    cases = decode_cases(tiny_facts, cache, [1], 4)
+    rows, facts = sweep._run_mode("piecewise", tiny, cases, None, 1, 10.0, logged.append)
     assert rows[0].skipped == facts["skipped"] == "failed: RuntimeError: boom"
     assert "Traceback" in logged[0]  # the log keeps the frames a one-line reason drops
     # A tensor-parallel rank raises instead: its peers would pair their collectives with its next mode's.
     with pytest.raises(RuntimeError, match="boom"):
-        sweep._run_mode("piecewise", tiny, decode_cases(tiny, cache, [1], 4), None, 1, 10.0, logged.append,
+        sweep._run_mode("piecewise", tiny, decode_cases(tiny_facts, cache, [1], 4), None, 1, 10.0, logged.append,
                         keep_going=False)
 
 
@@ -228,12 +237,12 @@ def _attend(q, keys, values):
     return torch.einsum("hl,lhd->hd", weights, values)
 
 
-def test_decode_cases_attend_their_reserved_random_context(tiny):
+def test_decode_cases_attend_their_reserved_random_context(tiny_facts):
     context, batches = 20, [1, 3]
-    cache = decode_cache(tiny, batches, context)
+    cache = decode_cache(tiny_facts, batches, context)
     assert cache.max_pages_per_seq == pages_for(context + 8, cache.page_size)  # narrow decode page tables
     free = cache.num_free_pages
-    case = decode_cases(tiny, cache, batches, context)[1]
+    case = decode_cases(tiny_facts, cache, batches, context)[1]
     assert cache.num_free_pages == free  # every sequence's pages were reserved up front
     tables = [cache.page_table(i) for i in range(3)]
     assert all(len(t) == pages_for(context + 1, cache.page_size) for t in tables)
@@ -255,8 +264,8 @@ def test_decode_cases_attend_their_reserved_random_context(tiny):
         torch.testing.assert_close(out[i].view(h, d), _attend(q[i].view(h, d), keys, values), rtol=1e-4, atol=1e-5)
 
 
-def test_prefill_case_equals_each_prompt_run_alone(tiny):
-    (case,) = prefill_cases(tiny, [40])
+def test_prefill_case_equals_each_prompt_run_alone(tiny, tiny_facts):
+    (case,) = prefill_cases(tiny_facts, [40])
     lengths = prefill_lengths(40)
     assert case.seqs == len(lengths) and case.meta.layout.num_new == tuple(lengths)
     assert case.positions.tolist() == [p for n in lengths for p in range(n)]
@@ -275,8 +284,8 @@ def test_prefill_case_equals_each_prompt_run_alone(tiny):
             start += n
 
 
-def test_attention_op_cost_is_the_median_of_the_timed_calls_after_warm_up(tiny, monkeypatch):
-    real = attention_op_us(tiny, "torch", context=8, calls=3)
+def test_attention_op_cost_is_the_median_of_the_timed_calls_after_warm_up(tiny_facts, monkeypatch):
+    real = attention_op_us(tiny_facts, "torch", context=8, calls=3)
     assert "failed" not in real and real["decode_1"] > 0 and real["prefill_512"] > 0
     # Reference: a fake clock that only the backend's forward advances, by a known cost per call. The first 3
     # calls of each case (warm-up) cost a second each; the timed ones 1, 5, 2, 4, 100 ms: the median is 4 ms.
@@ -291,12 +300,12 @@ def test_attention_op_cost_is_the_median_of_the_timed_calls_after_warm_up(tiny, 
 
     monkeypatch.setattr(TorchBackend, "forward", forward)
     monkeypatch.setattr(bench_profile, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    result = attention_op_us(tiny, "torch", context=8, calls=5)
+    result = attention_op_us(tiny_facts, "torch", context=8, calls=5)
     assert sorted(set(tokens)) == [1, 512]  # the two cases: decode batch 1, the 512-token packed prefill
     assert result["decode_1"] == pytest.approx(4e3) and result["prefill_512"] == pytest.approx(8e3)
 
 
-def test_attention_op_cost_records_a_failure_as_a_reason(tiny, monkeypatch):
+def test_attention_op_cost_records_a_failure_as_a_reason(tiny_facts, monkeypatch):
     forward = TorchBackend.forward
 
     def prefill_breaks(self, q, k, v, out, layer, meta):
@@ -305,7 +314,7 @@ def test_attention_op_cost_records_a_failure_as_a_reason(tiny, monkeypatch):
         return forward(self, q, k, v, out, layer, meta)
 
     monkeypatch.setattr(TorchBackend, "forward", prefill_breaks)
-    result = attention_op_us(tiny, "torch", context=8, calls=2)
+    result = attention_op_us(tiny_facts, "torch", context=8, calls=2)
     assert result["decode_1"] > 0 and result["prefill_512"] is None
     assert result["failed"] == {"prefill_512": "failed: RuntimeError: no prefill today"}
 
@@ -317,14 +326,34 @@ def test_row_json_names_the_size_by_phase():
     assert "skipped" not in Row("eager", "decode", 1).to_json()
 
 
-def test_result_name_ends_with_the_attention_backend():
-    env = {"date": "2026-01-02", "gpu": "NVIDIA H200", "torch": "2.13.0+cu130"}
-    old = result_name(env)  # files from before paged attention keep their names
-    assert old == f"{env['date']}_h200_torch2.13.0"
-    assert result_name({**env, "attention_backend": TorchBackend.name}) == f"{old}_{TorchBackend.name}"
+def test_result_stem_names_the_date_gpu_and_attention_backend():
+    env = {"date": "2026-01-02", "gpu": "NVIDIA H200", "torch": "2.13.0+cu130", "flashinfer": None,
+           "attention": TorchBackend.name, "model": "qwen2.5-0.5b", "dtype": "bfloat16", "quant": "bf16",
+           "world_size": 1, "commit": None}
+    data = {"benchmark": "bench", "env": env, "rows": []}
+    assert result_stem(data) == f"2026-01-02_h200_bench_modes_{TorchBackend.name}"  # scripts add .json and .png
+    fp8 = {**data, "env": {**env, "model": "tiny-moe", "quant": "fp8", "world_size": 2}}
+    assert result_stem(fp8) == f"2026-01-02_h200_bench_modes_tiny-moe_{TorchBackend.name}_fp8_tp2"
 
 
-def test_meta_adapter_marks_attention_no_graph_and_restores_it(tiny, monkeypatch):
+def test_report_module_keeps_name_and_plot_for_scripts(tmp_path, capsys):
+    """``python -m piecegraph.bench.report FILE --name | --plot``: what the GPU scripts call on a saved sweep."""
+    from piecegraph.bench.report import main, payload, write_json
+    from piecegraph.results.schema import environment
+
+    env = environment(attention="torch", model="tiny", dtype="float32", quant="bf16", gpu="cpu", context=4)
+    rows = [Row(m, "decode", b, ms=ms, tok_s=b / ms * 1e3) for m, ms in (("eager", 2.0), ("none", 1.0))
+            for b in (1, 2)]
+    path = tmp_path / "raw.json"
+    write_json(path, payload(env, rows, {"eager": {"setup_s": 0.1, "pool_mib": None}}))
+    main([str(path), "--name"])
+    assert capsys.readouterr().out.strip() == f"{env['date']}_cpu_bench_modes_tiny_torch"
+    main([str(path), "--plot", str(tmp_path / "p.png")])
+    assert "ms per step, median" in capsys.readouterr().out
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_meta_adapter_marks_attention_no_graph_and_restores_it(tiny, tiny_facts, monkeypatch):
     # A stand-in for piecewise_cuda_graphs (CUDA-only): its no_graph outside a capture just calls the function.
     calls = []
     fake = types.ModuleType("piecewise_cuda_graphs")
@@ -333,7 +362,7 @@ def test_meta_adapter_marks_attention_no_graph_and_restores_it(tiny, monkeypatch
     from piecegraph.bench.meta_pcg import attention_as_no_graph
 
     original = torch.ops.piecegraph_models.attention
-    (case,) = decode_cases(tiny, decode_cache(tiny, [2], 4), [2], 4)
+    (case,) = decode_cases(tiny_facts, decode_cache(tiny_facts, [2], 4), [2], 4)
     with torch.no_grad(), forward_context(case.meta):
         expected = tiny(*case.args(0))
         with attention_as_no_graph():
@@ -351,26 +380,26 @@ def test_bad_sizes_and_profile_spec_name_their_option():
         assert result.exit_code != 0 and option in result.output, result.output
 
 
-def test_the_auto_row_runs_decode_on_the_measured_module_and_prefill_piecewise(tiny, monkeypatch):
+def test_the_auto_row_runs_decode_on_the_measured_module_and_prefill_piecewise(tiny, tiny_facts, monkeypatch):
     # Built on CPU (no graphs: the modules run their compiled code): every row equals eager, each decode size
     # records its choice with both timings, and a decode call replays the module it chose.
     monkeypatch.setattr(bench_modes, "unavailable", lambda name: None)
-    cache = decode_cache(tiny, [1, 3], context=4)
-    cases = decode_cases(tiny, cache, [1, 3], 4) + prefill_cases(tiny, [12])
+    cache = decode_cache(tiny_facts, [1, 3], context=4)
+    cases = decode_cases(tiny_facts, cache, [1, 3], 4) + prefill_cases(tiny_facts, [12])
     sweep._references(tiny, cases)
     with pytest.warns(UserWarning):
-        rows, facts = sweep._run_mode("auto", tiny, cases, capture_inputs(tiny, cache), 1, 10.0, lambda s: None)
+        rows, facts = sweep._run_mode("auto", tiny, cases, capture_inputs(tiny_facts, cache), 1, 10.0, lambda s: None)
     assert [r.skipped for r in rows] == [None, None, None]
     assert all(r.rel_err < 1e-5 for r in rows), [r.rel_err for r in rows]
     choice = facts["decode_choice"]
     assert set(choice) == {1, 3} and all(c["pick"] in ("full", "piecewise") and c["full_ms"] > 0
                                          and c["piecewise_ms"] > 0 for c in choice.values())
-    prep = bench_modes.prepare("auto", tiny, [3], [12], capture_inputs(tiny, cache))
+    prep = bench_modes.prepare("auto", tiny, [3], [12], capture_inputs(tiny_facts, cache))
     calls = []
     for name in ("full", "mixed"):  # record which module each call reaches
         module = getattr(prep.fn, name)
         setattr(prep.fn, name, lambda *a, m=module, name=name: (calls.append(name), m(*a))[1])
-    decode, prefill = decode_cases(tiny, cache, [3], 4)[0], prefill_cases(tiny, [12])[0]
+    decode, prefill = decode_cases(tiny_facts, cache, [3], 4)[0], prefill_cases(tiny_facts, [12])[0]
     with torch.no_grad():
         for pick in ("full", "piecewise"):
             prep.fn.choice[3]["pick"] = pick
@@ -385,7 +414,6 @@ def test_weight_bytes_read_counts_fp8_weight_buffers_and_only_the_experts_routin
     """The bench's floor (and moe_step_profile's) counts what a forward must read: an FP8 model's weights are
     buffers (once left out: its floor was the norms and the bf16 router alone), and a mixture of experts reads
     only the experts top-k routing can reach. Reference: bytes counted by hand from the config."""
-    from piecegraph.bench.cases import weight_bytes_read
     from piecegraph.models import TINY_MOE, MoEDecoder, quantize_fp8
 
     c = TINY_MOE
@@ -394,8 +422,9 @@ def test_weight_bytes_read_counts_fp8_weight_buffers_and_only_the_experts_routin
         model = MoEDecoder.random(c, seed=0).eval()
         if quant == "fp8":
             model = quantize_fp8(model, kernel="torch")
-        everything = weight_bytes_read(model, c.num_experts)  # enough rows to reach every expert
-        one_row = weight_bytes_read(model, 1)  # top_k experts a layer
+        facts = model.facts()
+        everything = facts.weight_bytes_read(c.num_experts)  # enough rows to reach every expert
+        one_row = facts.weight_bytes_read(1)  # top_k experts a layer
         row = c.hidden_size * model.model.embed_tokens.weight.element_size()
         unread = c.num_layers * (c.num_experts - c.top_k) * (expert * item + scales)
         assert everything - one_row == unread + (c.num_experts - 1) * row, quant

@@ -16,10 +16,10 @@ from toy import ToyModel
 
 import piecegraph
 from piecegraph.attention import KVCache
-from piecegraph.binding_snapshot import resolve_source, restore_binding, snapshot_binding
-from piecegraph.build import load_trace, trace_model, trace_snapshot
 from piecegraph.config import Config
 from piecegraph.context import forward_context
+from piecegraph.graphed.binding_snapshot import resolve_source, restore_binding, snapshot_binding
+from piecegraph.graphed.build import load_trace, trace_model, trace_snapshot
 from piecegraph.models import TINY, Decoder, dummy_inputs, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +70,7 @@ def test_a_traced_program_that_does_not_fit_is_traced_anew_with_a_warning(root, 
     def refuse(*args, **kwargs):
         raise LookupError("model.layers.0.weight is not the tensor it was")
 
-    monkeypatch.setattr(piecegraph.cached_start, "load_trace", refuse)
+    monkeypatch.setattr(piecegraph.graphed.cached_start, "load_trace", refuse)
     with caplog.at_level(logging.WARNING, logger="piecegraph"):
         _, _, again, frames = _start(root, "piecewise", model)
     assert "could not be used (LookupError" in caplog.text and "tracing anew" in caplog.text

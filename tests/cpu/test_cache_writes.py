@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import piecegraph
 from piecegraph.attention import KVCache
-from piecegraph.build import load_trace, trace_model, trace_snapshot
 from piecegraph.config import Config
 from piecegraph.context import forward_context
+from piecegraph.graphed.build import load_trace, trace_model, trace_snapshot
 from piecegraph.models import TINY, Decoder, dummy_inputs
 from piecegraph.trace import snapshot as snapshot_module
 

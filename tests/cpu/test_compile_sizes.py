@@ -114,7 +114,7 @@ def test_auto_mode_defaults_to_static_code_where_the_program_reduces_and_other_m
     def try_trace(values, config, verify_sizes):
         seen.append(config)
 
-    from piecegraph.auto import setup_auto
+    from piecegraph.graphed.auto import setup_auto
 
     setup_auto(torch.nn.Identity(), {}, piecegraph.Config(mode="auto"), None, try_trace, None)
     setup_auto(torch.nn.Identity(), {}, piecegraph.Config(mode="auto", compile_sizes=()), None, try_trace, None)

@@ -1,4 +1,4 @@
-"""The contract as a property (issue 12): small random models composed of token-wise ops, token-mixing ops,
+"""The contract as a property: small random models composed of token-wise ops, token-mixing ops,
 non-token tensor arguments and split ops, in every mode, on random token counts, give eager's answer or raise;
 never a silent difference, and never a changed caller tensor.
 
@@ -126,7 +126,7 @@ counts_strategy = st.lists(st.integers(1, 20), min_size=2, max_size=4)
 
 @settings(max_examples=int(os.environ.get("PIECEGRAPH_PROPERTY_EXAMPLES", "8")))
 @given(ops=ops_strategy, counts=counts_strategy, mode=st.sampled_from(MODES), seed=st.integers(0, 2**16))
-# Found by CI (stop 47): breakable verified size 16 at 11 tokens, where tanh of the sum over tokens was saturated
+# Found by CI: breakable verified size 16 at 11 tokens, where tanh of the sum over tokens was saturated
 # and hid the pad rows, then replayed it wrong at 9 (see test_breakable_pads_hidden_by_the_values_are_found)
 @example(ops=["sum_scalar"], counts=[11, 9], mode="breakable", seed=0)
 def test_every_mode_is_eager_or_an_error(ops, counts, mode, seed):
@@ -163,7 +163,7 @@ class SaturatedSum(torch.nn.Module):
 @settings(max_examples=int(os.environ.get("PIECEGRAPH_PROPERTY_EXAMPLES", "8")), deadline=None)
 @given(alpha=st.sampled_from([0.05, 0.5, 5.0, 50.0]), counts=counts_strategy, seed=st.integers(0, 2**16),
        centered=st.booleans())
-# Found by CI (stop 48): pads of one large value in every feature moved the sum by little when the weights summed
+# Found by CI: pads of one large value in every feature moved the sum by little when the weights summed
 # to near zero, so size 16 verified at 12 tokens and replayed 1% off at 9; the pads are now random large values
 @example(alpha=0.5, counts=[1, 1, 12, 9], seed=28408, centered=False)
 def test_breakable_pads_hidden_by_the_values_are_found(alpha, counts, seed, centered):

@@ -1,4 +1,4 @@
-"""piecegraph's own runs (prewarm, the trace, warm-up, capture, verification) never show (issue 12, class 7): after
+"""piecegraph's own runs (prewarm, the trace, warm-up, capture, verification) never show: after
 ``k`` calls a buffer counter reads ``k`` and BatchNorm's statistics match ``k`` eager calls; a model that writes
 its input in place returns eager's answer and writes the caller's tensor exactly once per call."""
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import piecegraph.serve.engine as engine_module
 from piecegraph.attention.pages import pages_for
-from piecegraph.models import TINY, Decoder, generate
+from piecegraph.models import QWEN1_5_MOE_A2_7B, TINY, Decoder, MoEDecoder, generate
 from piecegraph.serve import Engine, EngineConfig, SamplingParams
-from piecegraph.serve.kv_budget import kv_budget, page_bytes
+from piecegraph.serve.kv_budget import kv_budget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,9 @@ def test_without_a_measured_device_every_sequence_gets_room():
 
 def test_page_bytes_counts_keys_and_values_of_every_layer():
     # The Qwen1.5-MoE-A2.7B shape: 24 layers, 16 KV heads of 128, bf16, 16-token pages -> 3 MiB a page
-    assert page_bytes(24, 16, 128, 16, torch.bfloat16) == 2 * 24 * 16 * 16 * 128 * 2 == 3 * 2**20
+    with torch.device("meta"):  # the shape only: nothing allocated
+        facts = MoEDecoder(QWEN1_5_MOE_A2_7B).to(torch.bfloat16).facts()
+    assert 16 * facts.kv_bytes_per_token() == 2 * 24 * 16 * 16 * 128 * 2 == 3 * 2**20
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, -0.1, True, "0.9", None])
@@ -69,7 +71,7 @@ def test_a_trimmed_cache_preempts_and_every_request_still_equals_its_prompt_alon
     rng = random.Random(0)
     prompts = [[rng.randrange(TINY.vocab_size) for _ in range(rng.randint(10, 30))] for _ in range(6)]
     expected = [generate(model, [p], 8)[0] for p in prompts]
-    per_page = page_bytes(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, 4, torch.float32)
+    per_page = 4 * model.facts().kv_bytes_per_token()
     # Free memory for 30 pages at the default 0.85 share: 4 sequences of 48 tokens would need 49
     monkeypatch.setattr(engine_module, "free_device_bytes", lambda device: int(30 * per_page / 0.85) + 1)
     with caplog.at_level(logging.WARNING, logger="piecegraph"):

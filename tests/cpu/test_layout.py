@@ -1,6 +1,6 @@
 """The package's layout: every module imports only its own stage or stages below it, and no import cycle exists
 (lazy imports inside functions count too; imports under ``if TYPE_CHECKING:`` never run and do not). The stage
-order is the README's "Layout" section."""
+order is docs/architecture.md's."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ ROOT = Path(__file__).resolve().parents[2] / "piecegraph"
 # Bottom to top; a module may import its own stage and any stage before it.
 STAGES = [
     ("_import_clock", "program", "config", "context"),  # the types and the one config every stage shares
+    ("results",),  # the one benchmark result schema, its loader and report: imports nothing else of piecegraph
     ("ops",),  # JIT safety: opaque, freeze, prewarm, split ops, module editing
     ("cache",),  # the artifact cache: key, store (lock, atomic writes), torch's and FlashInfer's caches pointed at it
     ("adapters", "graphs"),  # library adapters (on ops); capture, replay, static context, breakable capture
     ("trace",),  # Dynamo graph -> split -> compiled pieces (a Program)
-    ("staging", "sizes", "replay", "outputs", "runner"),  # a Program run per call: stage, bucket, replay, cut
-    ("binding", "binding_snapshot", "build", "weights", "auto", "cached_start", "graphed_module",
-     "dynamo_backend"),  # GraphedModule
+    ("runner",),  # a Program run per call: stage, bucket, replay, cut
+    ("graphed", "dynamo_backend"),  # GraphedModule: build, binding, cached start, auto policy; the Dynamo backend
     ("attention",),  # paged KV cache, per-step metadata, attention backends, the attention split op
     ("models",),  # the reference decoder (config, presets, loader, generation)
     ("hf",),  # Hugging Face decoders through piecegraph's attention (on models and the engine)

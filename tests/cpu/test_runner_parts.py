@@ -5,10 +5,10 @@ GraphedModule in test_contract.py, test_extra_runs.py and others."""
 import pytest
 import torch
 
-from piecegraph.outputs import cut_to_tokens
 from piecegraph.program import CaptureState, InputKind, Program, TokenCountMismatch
-from piecegraph.sizes import SizeTable
-from piecegraph.staging import Staging
+from piecegraph.runner.outputs import cut_to_tokens
+from piecegraph.runner.sizes import SizeTable
+from piecegraph.runner.staging import Staging
 
 TOKENS, COUNT, STATIC = InputKind.TOKENS, InputKind.COUNT, InputKind.STATIC
 

@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 from piecegraph.cli import app
 from piecegraph.models import TINY, Decoder, generate
 from piecegraph.models.config import ModelConfig
+from piecegraph.results import load_result
 from piecegraph.serve import ENGINE_MODES, Engine, EngineConfig, SamplingParams, serve_sizes
 from piecegraph.serve.bench import Workload, closed_loop, requests_for
+from piecegraph.serve.report import results_of
 
 MAX_NEW = 8
 PAGE_SIZE = 4
@@ -281,14 +283,19 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
         "--compiler", "eager", "--warmup", "1", "--repeats", "3", "--json", str(out), "--plot", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    modes = {m["mode"]: m for m in data["modes"]}
-    assert data["env"]["repeats"] == 3
-    for row in (r for m in data["modes"] for r in m["rows"]):  # three runs each, the median one reported
+    assert data["benchmark"] == "serve-bench" and "modes" not in data  # the one result schema
+    assert [(r["mode"], r["concurrency"]) for r in data["rows"]] == [
+        (m, c) for m in ("eager", "auto", "auto-sync") for c in (1, 3)]
+    assert list(data["setup"]) == ["eager", "auto", "auto-sync"] and "rows" not in data["setup"]["auto"]
+    per_mode = results_of(load_result(out))  # the per-mode results the tables and the plot take
+    modes = {m["mode"]: m for m in per_mode}
+    assert data["env"]["repeats"] == 3 and data["env"]["gpu"] == "cpu" and data["env"]["attention"] == "torch"
+    for row in data["rows"]:  # three runs each, the median one reported
         runs = row["repeats_output_tok_s"]
         assert len(runs) == 3 and round(row["output_tok_s"], 1) == sorted(runs)[1], row
         assert row["gc_pause_ms"] >= 0 and row["gc_full"] >= 0 and len(row["repeats_gc_pause_ms"]) == 3
     assert set(modes) == {"eager", "auto", "auto-sync"} and png.stat().st_size > 0
-    assert [m["rows"][0]["overlap"] for m in data["modes"]] == [True, True, False]
+    assert [m["rows"][0]["overlap"] for m in per_mode] == [True, True, False]
     assert "decode_reference" not in modes["auto-sync"]  # the same loop as auto's: timed once
     for m in modes.values():
         assert [r["concurrency"] for r in m["rows"]] == [1, 3]
@@ -327,7 +334,7 @@ def test_serve_bench_runs_the_fp8_moe_preset_and_records_the_quantization(tmp_pa
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["env"]["quant"] == "fp8" and data["env"]["model"] == "tiny-moe"
-    assert data["modes"][0]["rows"][0]["output_tok_s"] > 0
+    assert data["rows"][0]["mode"] == "eager" and data["rows"][0]["output_tok_s"] > 0
 
 
 def test_demo_engine_on_cpu():
@@ -368,7 +375,7 @@ def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
 def test_auto_times_decode_steps_on_rows_that_spread_over_a_routers_experts():
     """Auto's timing rows differ as served rows do: each its own token and page, so through a mixture of experts
     they reach more experts than pad rows (all reading the one scratch slot: one top-k set for every row) do, as a
-    served batch's rows would (the FP8 MoE's 16-row step timed 4.8 ms on pad rows against ~10 ms served, stop 40).
+    served batch's rows would (the FP8 MoE's 16-row step timed 4.8 ms on pad rows against ~10 ms served, on the H200).
     With too few free pages it falls back to pad rows; either way the cache ends as it began."""
     from piecegraph.context import forward_context
     from piecegraph.models.moe import MoEDecoder
@@ -405,7 +412,7 @@ def test_auto_times_decode_steps_on_rows_that_spread_over_a_routers_experts():
 def test_auto_timing_rows_attend_over_half_the_max_seq_len_as_far_as_free_pages_allow(model):
     """Each timing row holds half of max_seq_len cached tokens (its position), fewer when the free pages cannot
     give every row that many, pad rows when they cannot give each row a page; the pages come back either way. On
-    one-token rows the FP8 MoE's 1024-row step timed 30 ms where served ones took 42 (stop 41)."""
+    one-token rows the FP8 MoE's 1024-row step timed 30 ms where served ones took 42 (H200)."""
     from piecegraph.serve import executor
 
     engine = Engine(model, _config("auto", num_pages=40, max_seq_len=24))  # 39 free pages of 4 tokens
@@ -442,7 +449,7 @@ def test_gpu_bound_estimate_runs_only_the_rows_the_cache_holds(model):
 
 def test_release_frees_what_dynamos_reset_leaves_in_reference_cycles(monkeypatch):
     """An engine Dynamo's caches held until the reset, in a reference cycle: freed by the time the next mode
-    starts. Collected before the reset (as before stop 40) it stayed alive until some later collection, and an FP8
+    starts. Collected before the reset instead, it stayed alive until some later collection, and an FP8
     MoE engine's KV cache allocation ran out beside the previous mode's 88 GiB."""
     import gc
     import weakref
@@ -524,7 +531,7 @@ def test_median_run_reports_the_run_with_the_median_throughput(speeds):
 
 def test_serve_table_shows_the_gpu_bound_step_beside_the_itl():
     """The estimate's row carries its decode step (ms) in the ITL p50 column, and each row its share of the
-    estimate's tok/s: the ITL target of issue 22 is read off one table."""
+    estimate's tok/s: auto's ITL and its share of the GPU-bound estimate are read off one table."""
     from rich.console import Console
 
     from piecegraph.serve.report import table
@@ -695,7 +702,7 @@ def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
 
     pieces = engine_config("auto-pieces", EngineConfig())
     assert pieces.full_compile == "pieces" and pieces.share_trace
-    assert (EngineConfig().share_trace, EngineConfig().full_compile) == (True, "auto")  # the defaults, stop 49
+    assert (EngineConfig().share_trace, EngineConfig().full_compile) == (True, "auto")  # the defaults
     shared = engine_config("auto-shared", EngineConfig())
     assert (shared.mode, shared.share_trace, shared.full_compile) == ("auto", True, "whole")
     with pytest.raises(ValueError, match="EngineConfig.full_compile='layers'"):
@@ -709,7 +716,7 @@ def test_auto_traces_the_model_once_for_both_modules_when_sharing(monkeypatch, s
     """``EngineConfig(share_trace=True)``: auto's full module builds its program from the piecewise module's trace
     (``trace_from``): one Dynamo trace per engine (two without), tokens equal to the model's own greedy decoding
     either way, and the decode module says ``"shared"``."""
-    from piecegraph import graphed_module
+    from piecegraph.graphed import module as graphed_module
 
     traced = []
     real = graphed_module.trace_model
@@ -730,8 +737,8 @@ def test_trace_from_needs_the_same_model_before_setup_and_falls_back_to_tracing(
     """A module whose source has no trace to share (breakable: no Dynamo) traces by itself; another model or a
     module already set up is refused."""
     import piecegraph
-    from piecegraph import graphed_module
     from piecegraph.attention import KVCache
+    from piecegraph.graphed import module as graphed_module
     from piecegraph.models import dummy_inputs
 
     model, other = Decoder.random(TINY, seed=4).eval(), Decoder.random(TINY, seed=5).eval()

@@ -10,8 +10,10 @@ from typer.testing import CliRunner
 
 from piecegraph.cli import app
 from piecegraph.models import TINY, Decoder, generate
+from piecegraph.results import load_result
 from piecegraph.serve import Engine, EngineConfig, SamplingParams
 from piecegraph.serve.interleave import rotation
+from piecegraph.serve.report import results_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +60,7 @@ def test_serve_bench_interleaved_on_cpu(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["env"]["interleave"] is True
-    modes = {m["mode"]: m for m in data["modes"]}
+    modes = {m["mode"]: m for m in results_of(load_result(out))}
     assert list(modes) == ["piecewise", "auto"] and all(m["interleaved"] for m in modes.values())
     assert [r["run_order"] for r in modes["piecewise"]["rows"]] == [[0, 1, 0]] * 2
     assert [r["run_order"] for r in modes["auto"]["rows"]] == [[1, 0, 1]] * 2

@@ -194,7 +194,10 @@ def test_serve_bench_url_drives_a_running_server(tmp_path):
         result = CliRunner().invoke(app, ["serve-bench", "--url", server.url, "--concurrency", "1,4", "--requests",
                                           "6", "--device", "cpu", "--repeats", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    rows = json.loads(out.read_text())["modes"][0]["rows"]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "serve-bench" and data["env"]["url"] == server.url and data["env"]["model"] == "tiny"
+    rows = data["rows"]
+    assert all(r["mode"] == "http" for r in rows) and list(data["setup"]) == ["http"]
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["requests"] == 6 for r in rows)
     assert all(len(r["repeats_output_tok_s"]) == 2 for r in rows)  # the upper of two runs reported
     for row in rows:  # every token of the workload arrived (token ids in the events, ignore_eos honoured)
@@ -421,8 +424,8 @@ def test_connections_the_server_accepts_send_without_nagle():
 ])
 def test_engine_counters_tell_a_piecegraph_server_without_counters_from_another_server(monkeypatch, text, want):
     """A piecegraph front end that has not yet heard the engine's counters answers ``{}``, not ``None``: the
-    benchmark settles and scrapes again instead of dropping the engine's shares for the whole run (the H200's
-    REPEATS=3 HTTP run of stop 36 lost them that way)."""
+    benchmark settles and scrapes again instead of dropping the engine's shares for the whole run (a REPEATS=3
+    HTTP run on the H200 lost them that way)."""
     import io
     import urllib.request
 

@@ -1,10 +1,9 @@
-"""The startup test's start script (scripts/start_once.py) as a dry run on CPU, in fresh processes: a warm start
-loads both modules' traced programs (no Dynamo) and hits every torch cache it compiles through (Inductor's FX
-graph cache and AOTAutograd's: a first warm start used to miss the latter, whose key hashed the order of the
-piece module's attributes, which differs between a piece built under Dynamo and one built from the restored
-graph), and computes the same bits as the cold start; its start-up report accounts for the setup's seconds. The
-engine start script (scripts/engine_start.py: issue 24's targets are for an engine) likewise, against eager
-greedy decoding."""
+"""The start-up script (scripts/startup.py) as a dry run on CPU, in fresh processes: a warm start of its
+``modules`` kind loads both modules' traced programs (no Dynamo) and hits every torch cache it compiles through
+(Inductor's FX graph cache and AOTAutograd's: a first warm start used to miss the latter, whose key hashed the order
+of the piece module's attributes, which differs between a piece built under Dynamo and one built from the restored
+graph), and computes the same bits as the cold start; its start-up report accounts for the setup's seconds. Its
+``engine`` kind (the engine a server runs) likewise, against eager greedy decoding."""
 
 import json
 import os
@@ -15,10 +14,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _start(cache_dir: Path, script: str = "start_once.py", **variables: str) -> dict:
+def _start(cache_dir: Path, kind: str = "modules", **variables: str) -> dict:
     env = dict(os.environ, PIECEGRAPH_START_DEVICE="cpu", PIECEGRAPH_START_MODEL="tiny", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **variables)
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), str(cache_dir)],
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "startup.py"), kind, str(cache_dir)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -47,7 +46,7 @@ def test_an_engine_starts_cold_on_one_shared_trace_then_warm_from_its_entries_wi
     from piecegraph.models import TINY, Decoder, generate
 
     # By pieces, as the GPU's defaults compile it cold ("auto" does so only where packages are made: not on CPU)
-    cold, warm = (_start(tmp_path, "engine_start.py", PIECEGRAPH_START_FULL_COMPILE="pieces") for _ in range(2))
+    cold, warm = (_start(tmp_path, "engine", PIECEGRAPH_START_FULL_COMPILE="pieces") for _ in range(2))
     assert {k: m["startup"]["trace"] for k, m in cold["modules"].items()} == {"piecewise": "traced", "full": "shared"}
     assert {k: m["startup"]["trace"] for k, m in warm["modules"].items()} == {"piecewise": "loaded", "full": "loaded"}
     assert all(m["startup"]["cache"] == "warm" for m in warm["modules"].values())

@@ -174,7 +174,7 @@ def test_pool_measured_before_capture_refuses_sizes_over_the_limit_and_they_run_
     that runs the size and reports 1 GiB per token): a size measured over graph_memory_limit is refused with a
     warning naming it and its bytes, its calls run without graphs (equal to eager), and the next size is measured;
     the first size under the limit is the one reported, and no later size is measured again."""
-    import piecegraph.replay
+    import piecegraph.runner.replay
 
     measured = []
 
@@ -184,7 +184,7 @@ def test_pool_measured_before_capture_refuses_sizes_over_the_limit_and_they_run_
         measured.append(rows)
         return rows << 30
 
-    monkeypatch.setattr(piecegraph.replay, "measured_pool_bytes", stand_in)
+    monkeypatch.setattr(piecegraph.runner.replay, "measured_pool_bytes", stand_in)
     model = ToyModel(dim=DIM, layers=3).eval()
     graphed = piecegraph.compile(model, compiler="eager", capture_sizes=(8, 64, 1024), emulate_graphs=True,
                                  graph_memory_limit=100 << 30)  # above every estimate: only the measurement trims

@@ -1,4 +1,4 @@
-"""Tensors that are not token-aligned (issue 12, class 5): a cross-attention memory, a table. Never duck-sized
+"""Tensors that are not token-aligned: a cross-attention memory, a table. Never duck-sized
 into the token dimension, never padded: found by size, or named in ``Config(static_inputs=...)``; a collision
 that one call cannot resolve ends in an error naming the argument and the fix, never a wrong answer."""
 

@@ -1,4 +1,4 @@
-"""Ops that mix rows over the token dimension (issue 12, class 1): found in the trace, named with their source
+"""Ops that mix rows over the token dimension: found in the trace, named with their source
 line, and never run on padded rows: graphs only for exact capture sizes (or refused), equal to eager at every
 token count; ``verify`` compares against the unpadded run, so it catches what detection is told to ignore."""
 

@@ -159,9 +159,9 @@ def test_serve_bench_tp2_runs_as_two_ranks_and_rank0_reports(tmp_path):
     stdout, data = _cli(tmp_path, "serve-bench", "--modes", "auto", "--concurrency", "2", "--requests", "3",
                         "--warmup", "0", "--no-reference")
     assert data["env"]["world_size"] == 2 and data["env"]["tp_backend"] == "gloo"
-    (mode,) = data["modes"]
-    assert mode.get("error") is None, mode
-    assert [r["requests"] for r in mode["rows"]] == [3]
+    (setup,) = data["setup"].values()
+    assert setup.get("error") is None, setup
+    assert [(r["mode"], r["requests"]) for r in data["rows"]] == [("auto", 3)]
     assert stdout.count("wrote ") == 1
 
 

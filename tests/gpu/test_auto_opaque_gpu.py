@@ -13,9 +13,7 @@ The check: relative Frobenius error <= 1e-2 and every element within 2^-3 (one e
 magnitude. A wrong fake, a missing write or a stale graph input gives errors of order 1.
 """
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +23,10 @@ import piecegraph
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 flashinfer = pytest.importorskip("flashinfer")
 
+from fp8_block import Block  # noqa: E402  (the block, shared with scripts/fp8_bench.py)
+
 from piecegraph.adapters import flashinfer as adapter  # noqa: E402
 from piecegraph.ops.opaque import is_opaque  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from fp8_block import Block  # noqa: E402  (the block, shared with scripts/fp8_block_bench.py)
 
 HIDDEN, TOKENS = 1024, 16
 RESULTS = "auto_opaque_gpu.json"  # under $PIECEGRAPH_OUT, for the closing note

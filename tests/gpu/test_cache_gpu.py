@@ -1,4 +1,4 @@
-"""The artifact cache on a GPU gives the same tokens as no cache (stop 30's open question).
+"""The artifact cache on a GPU gives the same tokens as no cache.
 
 On the H200, `piecegraph serve` (cache on by then, four front ends) and an in-process engine of the same preset and
 settings without the cache disagreed from the first token on 16 of 16 prompts, the server 1.6-2x faster per token
@@ -8,7 +8,7 @@ front ends) agrees token for token. This test settles it on the GPU without HTTP
 start, which compiles the program restored from its snapshot) and with that cache again (a warm start, which
 loads it). Divergences are judged with the bf16 near-tie judge against the eager model's logits.
 
-Cause found in stop 31 (scripts/cache_diag.py, scripts/snapshot_dump.py on the H200): torch 2.11's FX called
+Cause (found on the H200 by dumping the graph snapshot): torch 2.11's FX called
 Dynamo's op-packet attention node pure and the snapshot dropped every attention op; fixed in trace/snapshot.py.
 This test is the engine-level check that stays to be run."""
 

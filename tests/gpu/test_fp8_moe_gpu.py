@@ -1,7 +1,7 @@
 """Automatic opaque on a method of a FlashInfer object, nothing written by hand: an FP8 mixture-of-experts block
-(scripts/fp8_moe_block.py) whose experts run FlashInfer's sm90 grouped GEMM (``SegmentGEMMWrapper.run``, e4m3 in,
-bf16 out) comes out piecewise in mode="auto" (Inductor pieces with the routing and quantization, CUDA graphs), equal
-to eager within FP8 rounding at every capture size, padded sizes included.
+(fp8_moe_block.py, beside this test) whose experts run FlashInfer's sm90 grouped GEMM (``SegmentGEMMWrapper.run``,
+e4m3 in, bf16 out) comes out piecewise in mode="auto" (Inductor pieces with the routing and quantization, CUDA
+graphs), equal to eager within FP8 rounding at every capture size, padded sizes included.
 
 Tolerances. (1) Compiled against eager FP8: Inductor computes the bf16 RMSNorm product in float32 and rounds once
 where eager rounds twice, so the quantizer's input differs by one bf16 ulp (2^-8 relative) in some elements; e4m3
@@ -18,9 +18,7 @@ the MoE part of the output moves by at most about 2 * 2^-4 = 2^-3 relative (Frob
 about 2^-4 / sqrt(3) per quantization, which the test records.
 """
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +28,9 @@ import piecegraph
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 flashinfer = pytest.importorskip("flashinfer")
 
-from piecegraph.ops.opaque import is_opaque  # noqa: E402
+from fp8_moe_block import MoEBlock  # noqa: E402  (the block, shared with scripts/fp8_bench.py)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from fp8_moe_block import MoEBlock  # noqa: E402
+from piecegraph.ops.opaque import is_opaque  # noqa: E402
 
 SIZES = (1, 16, 256)
 ENTRY = "flashinfer.SegmentGEMMWrapper.run"

@@ -1,4 +1,4 @@
-"""Start in seconds, on a GPU (issue 24): a second process with the artifact cache warm loads the traced
+"""Start in seconds, on a GPU: a second process with the artifact cache warm loads the traced
 programs and their AOTInductor packages (no Dynamo, no Inductor) and is ready (every capture size captured) in
 <= 5 s; a cold start without FlashInfer's first JIT build in <= 30 s; the graph memory estimated before capture
 within 10% of the pool capture used; each size's capture milliseconds. Writes ``startup_gpu.json`` under
@@ -24,12 +24,12 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parents[2]
 
-START = REPO / "scripts" / "start_once.py"
+START = REPO / "scripts" / "startup.py"
 
 
 
 def _start(cache_dir: Path, env: dict[str, str]) -> dict:
-    done = subprocess.run([sys.executable, str(START), str(cache_dir)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(START), "modules", str(cache_dir)], capture_output=True, text=True,
                           timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
