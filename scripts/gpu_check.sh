@@ -22,17 +22,20 @@ if [ -n "$unknown" ]; then
 fi
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PIECEGRAPH_OUT="$OUT"  # the GPU tests record what they measured there
-WORK=$(mktemp -d -t pg-check.XXXXXX)  # scratch: installed wheels, model folders, unpacked FlashInfer builds
+WORK=$(mktemp -d -t pg-check.XXXXXX)  # scratch: model folders, unpacked FlashInfer builds
 trap 'rm -rf "$WORK"' EXIT
 status=0
 
 # Wheels first (GPU machines may have no network): FlashInfer, apache-tvm-ffi, piecewise-cuda-graphs, fastapi, ...
 shopt -s nullglob
 wheels=(.whl/*.whl)
+# Installed into a folder that outlives the check: FlashInfer's JIT cache records its sources' paths, so a later
+# check on the same machine that installed them elsewhere could not build a new kernel.
+SITE=${PIECEGRAPH_CHECK_SITE:-$HOME/.cache/piecegraph-check/site}
 if [ ${#wheels[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "${wheels[@]}" \
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "${wheels[@]}" \
     >"$OUT/install.log" 2>&1 \
-    && export PYTHONPATH=$WORK/site:${PYTHONPATH:-}
+    && export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 \
   || export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -13,7 +13,7 @@ layer that differs. Importing this package does not import transformers.
 """
 
 from piecegraph.hf.arch import UnsupportedModelError, cache_config, check_structure, check_supported
-from piecegraph.hf.generate import Session, eos_ids, generate, wrap
+from piecegraph.hf.generate import Session, eos_ids, generate, new_token_limits, wrap
 from piecegraph.hf.load import check_folder, load, read_model_type, verify
 from piecegraph.hf.model import HFDecoder, is_hf_model, unwrap
 from piecegraph.hf.probe import Verdict
@@ -29,6 +29,7 @@ __all__ = [
     "check_supported",
     "eos_ids",
     "generate",
+    "new_token_limits",
     "is_hf_model",
     "load",
     "read_model_type",

@@ -16,6 +16,7 @@ from piecegraph.attention.kv_cache import KVCache
 from piecegraph.config import Config, default_capture_sizes
 from piecegraph.graphed.module import GraphedModule
 from piecegraph.graphs.capture import GraphPool
+from piecegraph.hf import reuse as reuse_
 from piecegraph.hf.model import HFDecoder
 from piecegraph.models.generate import dummy_inputs, greedy_loop, stop_ids
 
@@ -40,6 +41,31 @@ def eos_ids(model: HFDecoder, eos_token_id: int | Iterable[int] | None = None) -
     if value is None:
         return set()
     return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+
+def new_token_limits(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
+                     max_length: int | None = None) -> list[int]:
+    """How many new tokens each prompt may get, counted as Hugging Face's ``generate`` counts them:
+    ``max_new_tokens`` when given (it wins over ``max_length``; below 0 counts as 0), else ``max_length`` (prompt
+    and output together) minus the prompt's length, else the model's ``generation_config`` (its
+    ``max_new_tokens``, else its ``max_length``: transformers' default is 20). ``model``: a Hugging Face causal
+    LM or an :class:`HFDecoder`. A ``max_length`` that leaves a prompt no room raises ``ValueError`` naming it
+    (pass ``max_new_tokens`` instead)."""
+    if max_new_tokens is not None:
+        return [max(int(max_new_tokens), 0)] * len(prompts)
+    source = "max_length"
+    if max_length is None:
+        gen = getattr(model.hf if isinstance(model, HFDecoder) else model, "generation_config", None)
+        if getattr(gen, "max_new_tokens", None) is not None:
+            return [max(int(gen.max_new_tokens), 0)] * len(prompts)
+        max_length = getattr(gen, "max_length", None) or 20
+        source = "the model's generation_config.max_length"
+    short = [i for i, p in enumerate(prompts) if len(p) >= max_length]
+    if short:
+        raise ValueError(f"{source}={max_length} counts the prompt too, and prompt {short[0]} already has "
+                         f"{len(prompts[short[0]])} tokens: pass max_new_tokens (new tokens only) or a larger "
+                         "max_length")
+    return [max_length - len(p) for p in prompts]
 
 
 class Session:
@@ -76,6 +102,7 @@ class Session:
         self._own_wrapper = not isinstance(model, HFDecoder)
         self.model = wrap(model, verify=verify)
         self.closed = False
+        self.max_seqs, self.max_len = max_seqs, max_len
         try:
             facts = self.model.facts()
             self.cache = KVCache.for_sequences(facts.config, max_seqs, max_len, page_size, dtype=facts.dtype,
@@ -110,22 +137,37 @@ class Session:
                 raise
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 eos_token_id: int | Iterable[int] | None = None) -> list[list[int]]:
-        """Greedy new tokens per prompt: ``max_new_tokens`` each, or fewer when one is an EOS id (which is
-        kept, as Hugging Face keeps it). One packed prefill of every prompt, then decode steps over the
-        sequences still running; each finished sequence's pages are freed at once
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, *, max_length: int | None = None
+                 ) -> list[list[int]]:
+        """Greedy new tokens per prompt: ``max_new_tokens`` each (or up to ``max_length`` with the prompt, or
+        the model's ``generation_config``'s: :func:`new_token_limits`), or fewer when one is an EOS id (which is
+        kept, as Hugging Face keeps it; default EOS: :func:`eos_ids`). One packed prefill of every prompt, then
+        decode steps over the sequences still running; each finished sequence's pages are freed at once
         (:func:`piecegraph.models.generate.greedy_loop`, the loop the reference decoder uses too)."""
         if self.closed:
             raise RuntimeError("this piecegraph.hf.Session was closed: make a new one")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
-        if max_new_tokens <= 0:
+        limits = new_token_limits(self.model, prompts, max_new_tokens, max_length)
+        if max(limits) <= 0:
             return [[] for _ in prompts]
         stop = stop_ids(eos_ids(self.model, eos_token_id))
-        return greedy_loop(self.model, self.cache, prompts, max_new_tokens, prefill_fn=self.prefill,
-                           decode_fn=self.decode, stop=stop, tag="hf.generate")
+        out = greedy_loop(self.model, self.cache, prompts, max(limits), prefill_fn=self.prefill,
+                          decode_fn=self.decode, stop=stop, tag="hf.generate")
+        return [tokens[:n] for tokens, n in zip(out, limits)]  # limits differ only under max_length
 
+
+    def suspend(self) -> None:
+        """Between calls of a kept session (``piecegraph/hf/reuse.py``): the model as it was, the session kept."""
+        if self._own_wrapper and not self.closed:
+            self.model.suspend()
+
+    def resume(self) -> bool:
+        """Ready again after :meth:`suspend`; ``False`` when the model changed hands meanwhile (build anew)."""
+        if self.closed:
+            return False
+        return self.model.resume() if self._own_wrapper else self.model.wrapped
 
     def close(self) -> None:
         """Give the model back as it was when this session wrapped it (a model the caller wrapped or compiled
@@ -142,22 +184,34 @@ class Session:
         self.close()
 
 
-def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             eos_token_id: int | Iterable[int] | None = None, mode: str = "graphs", **options: Any
-             ) -> list[list[int]]:
+def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
+             max_length: int | None = None, eos_token_id: int | Iterable[int] | None = None, mode: str | None = None,
+             reuse: bool = True, **options: Any) -> list[list[int]]:
     """Greedy-decode ``prompts`` (token id lists) with a Hugging Face causal LM (or an :class:`HFDecoder`).
 
-    Returns the new tokens per prompt, stopping at ``max_new_tokens`` or an EOS id (default: the model's
-    ``generation_config.eos_token_id``, as Hugging Face's ``generate``; the EOS token is included). ``mode`` and
-    ``options`` are :class:`Session`'s (e.g. ``emulate_graphs=True``, ``compiler="eager"``, ``backend="torch"``).
-    Builds a :class:`Session` for this call (tracing, compiling and capturing included) and closes it after:
-    a model this call wrapped is given back as it was.
+    Returns the new tokens per prompt, stopping at ``max_new_tokens`` (or ``max_length``, prompt included; neither:
+    the model's ``generation_config``'s, see :func:`new_token_limits`) or an EOS id (default: the model's
+    ``generation_config.eos_token_id``, one id or a list, as Hugging Face's ``generate``; the EOS token is
+    included). A chat prompt is the tokenizer's ``apply_chat_template(messages, add_generation_prompt=True)``.
+    ``mode`` and ``options`` are :class:`Session`'s (e.g. ``emulate_graphs=True``, ``compiler="eager"``,
+    ``backend="torch"``).
+    ``mode=None``: ``"graphs"``, except on CPU with no compile option given: ``"eager"`` (no CUDA graphs there;
+    compiling costs more than one answer takes: ``piecegraph/hf/reuse.py``).
+    The first call builds a :class:`Session` (tracing, compiling and capturing included) and keeps it on the model
+    for the next calls (``reuse=False``: build one for this call only); either way a model this call wrapped is
+    given back as it was after the call. The kept session is dropped when the model's weights, dtype or device
+    change (:mod:`piecegraph.hf.reuse`).
 
     Example::
 
         hf = AutoModelForCausalLM.from_pretrained("path/to/qwen2", dtype=torch.bfloat16).cuda()
         tokens = piecegraph.hf.generate(hf, [[1, 2, 3], [4, 5]], max_new_tokens=32)
     """
-    longest = max((len(p) for p in prompts), default=1) + max(max_new_tokens, 1)
-    with Session(model, max_seqs=max(len(prompts), 1), max_len=longest, mode=mode, **options) as session:
-        return session.generate(prompts, max_new_tokens, eos_token_id)
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt, and every prompt needs at least one token")
+    limits = new_token_limits(model, prompts, max_new_tokens, max_length)
+    longest = max(len(p) + max(n, 1) for p, n in zip(prompts, limits))
+    mode = mode or reuse_.default_mode(model, options)
+    return reuse_.run(model, lambda seqs, length: Session(model, max_seqs=seqs, max_len=length, mode=mode, **options),
+                      lambda session: session.generate(prompts, max_new_tokens, eos_token_id, max_length=max_length),
+                      max_seqs=len(prompts), max_len=longest, key=(mode, sorted(options.items())), reuse=reuse)

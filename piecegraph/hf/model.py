@@ -188,6 +188,32 @@ class HFDecoder(torch.nn.Module):
                           "would compute this rank's shard only)", stacklevel=2)
         return unwrap(self.hf)
 
+    def suspend(self) -> None:
+        """Give the model back as it was (as :meth:`close`), remembering this wrap so that :meth:`resume` can
+        put the same attention config views back (a compiled module's guards then still hold). Own wraps only."""
+        if self.owns_wrap and self.wrapped:
+            self._suspended = [(m, m.config) for m, _ in self._wrap.configs]
+            unwrap(self.hf)
+
+    def resume(self) -> bool:
+        """Wrap the model again after :meth:`suspend`, without the self-check; ``False`` (nothing changed) when
+        that is not safe: the model was wrapped by someone else meanwhile, or an attention module's config was
+        replaced."""
+        if self.wrapped:
+            return True
+        views, state = getattr(self, "_suspended", None), self._wrap
+        if views is None or getattr(self.hf, _STATE, None) is not None or any(
+                m.config is not own for m, own in state.configs):
+            return False
+        hf_attention.acquire(state)
+        setattr(self.hf, _STATE, state)
+        for module, view in views:
+            module.config = view
+        state.trained = [m for m in self.hf.modules() if m.training]
+        self.hf.eval()
+        self._suspended = None
+        return True
+
     def close(self) -> None:
         """Unwrap when this wrapper made the wrap (:attr:`owns_wrap`); leave a wrap it joined to its maker."""
         if self.owns_wrap:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -30,6 +31,7 @@ import torch
 
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.attention.metadata import AttentionMetadata
+from piecegraph.attention.pages import pages_for
 from piecegraph.graphs.capture import timed_capture
 from piecegraph.models import model_facts
 from piecegraph.models.generate import start_host_copy
@@ -38,7 +40,7 @@ from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.executor import Executor, Progress
 from piecegraph.serve.gc_pauses import frozen_heap
 from piecegraph.serve.inputs import StepInputs, build_inputs
-from piecegraph.serve.kv_budget import KVBudget, free_device_bytes, kv_budget
+from piecegraph.serve.kv_budget import KVBudget, cpu_kv_bytes, free_device_bytes, kv_budget
 from piecegraph.serve.request import Request, SamplingParams, Status
 from piecegraph.serve.sampling import sample_on_device
 from piecegraph.serve.scheduler import Batch, Scheduler
@@ -124,10 +126,15 @@ class Engine:
         max_len = cfg.max_seq_len or facts.config.max_seq_len
         pages = cfg.num_pages
         if pages is None:
+            free, fraction = free_device_bytes(facts.device), cfg.kv_cache_memory
+            cpu = free is None and facts.device.type == "cpu"
+            if cpu:  # no free-memory query there: a share of the available memory (serve/kv_budget.py)
+                one = (pages_for(max_len, cfg.page_size) + 1) * cfg.page_size * facts.kv_bytes_per_token()
+                free, fraction = max(cpu_kv_bytes(), one), 1.0  # one sequence at its longest at least
             budget = kv_budget(
                 max_num_seqs=cfg.max_num_seqs, max_seq_len=max_len, page_size=cfg.page_size,
-                page_bytes=cfg.page_size * facts.kv_bytes_per_token(),
-                fraction=cfg.kv_cache_memory, free_bytes=free_device_bytes(facts.device))
+                page_bytes=cfg.page_size * facts.kv_bytes_per_token(), fraction=fraction, free_bytes=free)
+            budget = dataclasses.replace(budget, cpu=cpu)
             (log.warning if budget.trimmed else log.info)(budget.describe())
             pages, self.cache_budget = budget.pages, budget
         elif facts.device.type == "cuda":

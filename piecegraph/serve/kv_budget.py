@@ -10,6 +10,7 @@ for ~150 GiB, more than an H200 has, and the engine used to die allocating it.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,8 @@ class KVBudget:
     pages: int
     page_bytes: int
     wanted: int  # room for max_num_seqs sequences of max_seq_len tokens, the scratch page included
-    free_bytes: int | None  # device memory free at start (None: not measured, a CPU)
+    free_bytes: int | None  # device memory free at start (a CPU: its cache's share; None: not measured)
+    cpu: bool = False  # free_bytes is cpu_kv_bytes()
 
     @property
     def trimmed(self) -> bool:
@@ -36,8 +38,10 @@ class KVBudget:
         size = f"{self.pages} pages ({self.pages * self.page_bytes / GIB:.1f} GiB)"
         if not self.trimmed:
             return f"KV cache: {size}, room for every sequence at its longest"
-        return (f"KV cache: {size}, what fits in EngineConfig.kv_cache_memory of the {self.free_bytes / GIB:.1f} "
-                f"GiB free; max_num_seqs sequences of max_seq_len tokens would need {self.wanted} pages "
+        where = (f"the CPU's share ({self.free_bytes / GIB:.1f} GiB: serve/kv_budget.py cpu_kv_bytes)" if self.cpu
+                 else f"EngineConfig.kv_cache_memory of the {self.free_bytes / GIB:.1f} GiB free")
+        return (f"KV cache: {size}, what fits in {where}; max_num_seqs sequences of max_seq_len tokens would need "
+                f"{self.wanted} pages "
                 f"({self.wanted * self.page_bytes / GIB:.1f} GiB), so requests beyond it wait or are preempted "
                 "(EngineConfig.num_pages sets it)")
 
@@ -60,6 +64,34 @@ def kv_budget(*, max_num_seqs: int, max_seq_len: int, page_size: int, page_bytes
             f"EngineConfig.kv_cache_memory={fraction} of the {free_bytes / GIB:.1f} GiB free is "
             f"{fraction * free_bytes / GIB:.2f} GiB; lower max_seq_len, raise kv_cache_memory or free memory")
     return KVBudget(min(wanted, fits), page_bytes, wanted, free_bytes)
+
+
+CPU_KV_SHARE = 0.25  # of the memory available at engine start: a CPU engine's default cache
+CPU_KV_CAP = 4 * GIB
+
+
+def cpu_kv_bytes(available: int | None = None) -> int:
+    """The bytes a CPU engine's default KV cache may take: a quarter of the memory available now (``available``,
+    else the OS's ``MemAvailable``), at most 4 GiB. A CPU has no free-memory query like CUDA's, and room for
+    every sequence at its longest (32 sequences of 8192 tokens: 12 GiB of float32 keys and values for a 135M
+    model) is more than a CPU engine serves at once; requests beyond the budget wait or are preempted."""
+    if available is None:
+        available = _available_memory()
+    return int(min(available * CPU_KV_SHARE, CPU_KV_CAP))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 * CPU_KV_CAP  # unknown: the cap
 
 
 def free_device_bytes(device: torch.device) -> int | None:

@@ -21,15 +21,16 @@ console = Console()
 
 def serve(
     model_arg: str | None = typer.Argument(None, metavar="MODEL", help="a preset (tiny, qwen2.5-0.5b, tiny-moe, ...) | "
-                                           "a local Hugging Face directory (default: tiny on CPU, the 0.5B shape "
-                                           "on GPU)"),
+                                           "a local Hugging Face directory | a .gguf file (default: tiny on CPU, the "
+                                           "0.5B shape on GPU)"),
     model: str | None = typer.Option(None, "--model", help="the same as MODEL"),
     hf: bool = typer.Option(False, "--hf", help="run the directory's transformers model itself (piecegraph.hf)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port"),
     served_model_name: str | None = typer.Option(None, help="the name clients pass as `model` (default: the "
                                                  "preset or the directory's name)"),
-    mode: str = typer.Option("auto", help="engine mode: eager | breakable | piecewise | auto"),
+    mode: str | None = typer.Option(None, help="engine mode: eager | breakable | piecewise | auto (default: auto "
+                                    "on GPU; eager on CPU, where there are no CUDA graphs to capture)"),
     compiler: str | None = typer.Option(None, help="inductor | eager (default: inductor on GPU, eager on CPU)"),
     emulate: bool | None = typer.Option(None, "--emulate/--no-emulate", help="emulate graph replay (default: on "
                                         "CPU, where CUDA graphs cannot run)"),
@@ -88,7 +89,7 @@ def serve(
 
     if model_arg and model and model_arg != model:
         raise typer.BadParameter(f"MODEL {model_arg!r} and --model {model!r} disagree; give one", param_hint="--model")
-    if mode not in ENGINE_MODES:
+    if mode is not None and mode not in ENGINE_MODES:
         raise typer.BadParameter(f"{mode!r} is not one of {', '.join(ENGINE_MODES)}", param_hint="--mode")
     if compiler not in (None, "inductor", "eager"):
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
@@ -101,10 +102,13 @@ def serve(
     backend = resolve_attention(attention, device)
     gpu = device == "cuda"
     name = model_arg or model or ("qwen2.5-0.5b" if gpu else "tiny")
+    source, name = name, gguf_to_folder(name)
     dtype = torch.bfloat16 if backend == "flashinfer" or (gpu and name in PRESETS) else torch.float32
     if name not in PRESETS and not Path(name).is_dir():
         raise typer.BadParameter(f"{name!r} is not one of {', '.join(PRESETS)} or a local directory",
                                  param_hint="MODEL")
+    chosen = mode is None and not gpu
+    mode = mode or ("auto" if gpu else "eager")
     config = EngineConfig(mode=mode, max_num_seqs=max_num_seqs or (256 if gpu else 32),
                           max_num_batched_tokens=max_batched_tokens or (2048 if gpu else 256),
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_seq_len or None,
@@ -112,6 +116,11 @@ def serve(
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
                           cache_dir=cache, full_compile=full_compile,
                           share_trace=share_trace)  # cache True: the default folder
+    if chosen:
+        kv = "" if num_pages else (", KV cache sized to a quarter of the available memory, at most 4 GiB "
+                                   "(--num-pages overrides)")
+        console.print("on CPU: engine mode eager (no CUDA graphs there: tracing and capturing sizes would cost "
+                      f"minutes of start for nothing; --mode overrides){kv}")
     frontends = api_servers or (default_api_servers(gpu) if engine_process else 1)
     if frontends > 1 and not engine_process:
         raise typer.BadParameter("several API servers need the engine in its own process (--engine-process)",
@@ -123,7 +132,8 @@ def serve(
     except OSError as err:
         raise typer.BadParameter(str(err), param_hint="--port") from None
     factory = functools.partial(build_engine, name, device, dtype, hf, config)
-    served = served_model_name or (name if name in PRESETS else Path(name).resolve().name)
+    served = served_model_name or (name if name in PRESETS else Path(source).stem if source != name
+                                   else Path(name).resolve().name)
     if engine_process:
         console.print("starting the engine process (load, trace, compile, capture)")
         state = build_process_state(factory, functools.partial(load_tokenizer, name), served,
@@ -161,6 +171,26 @@ def serve(
         if fronts is not None:
             fronts.stop()
         sock.close()
+
+
+def gguf_to_folder(name: str) -> str:
+    """``name`` itself, unless it is a GGUF file: then the Hugging Face folder converted from it (once, in
+    piecegraph's cache folder: :func:`piecegraph.hf.gguf.gguf_folder`), with one line saying which. A file that
+    cannot be converted is a ``typer.BadParameter`` naming MODEL."""
+    from piecegraph.hf.gguf import gguf_folder, gguf_folder_path, is_gguf
+
+    if not is_gguf(name):
+        return name
+    if not (gguf_folder_path(name) / "config.json").is_file():
+        console.print(f"converting the GGUF file {name} to a Hugging Face folder (once; float32 weights) ...")
+    try:
+        folder, converted = gguf_folder(name)
+    except (ImportError, ValueError, OSError) as err:
+        raise typer.BadParameter(f"cannot read the GGUF file {name}: {str(err).splitlines()[0]}",
+                                 param_hint="MODEL") from None
+    console.print(f"serving the GGUF file {name} from the Hugging Face folder {folder} ("
+                  f"{'converted now' if converted else 'converted earlier'})")
+    return str(folder)
 
 
 def cpu_split(spec: str, engine_process: bool) -> tuple[frozenset[int], frozenset[int]] | None:

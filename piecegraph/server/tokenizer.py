@@ -75,7 +75,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local directory's tokenizer through ``transformers.AutoTokenizer`` (local files only, never the hub).
     ``encode`` adds the model's special tokens (a BOS where it has one), as the model was trained; ``chat`` uses
-    the directory's chat template. ``eos_ids``: the tokenizer's EOS plus ``generation_config.json``'s."""
+    the directory's chat template. ``eos_ids``: those Hugging Face's ``generate`` stops at (:func:`_eos_ids`)."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -103,19 +103,19 @@ class HFTokenizer:
 
 
 def _eos_ids(tok: Any, path: Path) -> set[int]:
+    """The ids Hugging Face's ``generate`` stops at: ``generation_config.json``'s ``eos_token_id`` (one id or a
+    list) when it names any, else ``config.json``'s (what transformers builds the generation config from), else
+    the tokenizer's EOS (a folder whose configs name none)."""
     import json
 
-    ids = set()
-    if getattr(tok, "eos_token_id", None) is not None:
-        ids.add(int(tok.eos_token_id))
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
         if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return ids
+            return {value}
+        if isinstance(value, list) and value:
+            return {int(v) for v in value}
+    return {int(tok.eos_token_id)} if getattr(tok, "eos_token_id", None) is not None else set()
 
 
 def load_tokenizer(model: str, vocab_size: int) -> Tokenizer:

@@ -198,8 +198,13 @@ def test_hf_generate_and_a_closed_session_leave_the_model_as_it_was():
     reference = copy.deepcopy(model).eval()
     expected = [reference.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
                 for p in PROMPTS]
-    assert pghf.generate(model, PROMPTS, NEW, mode="none", compiler="eager", backend="torch") == expected
+    assert pghf.generate(model, PROMPTS, NEW, mode="none", compiler="eager", backend="torch", reuse=False) == expected
     assert snapshot(model) == before and registry() == names
+    # kept for the next call (the default): the same, but for the one attribute holding the session
+    assert pghf.generate(model, PROMPTS, NEW, mode="none", compiler="eager", backend="torch") == expected
+    assert registry() == names and "_piecegraph_session" in vars(model)
+    pghf.reuse.forget(model)
+    assert snapshot(model) == before
     already = pghf.HFDecoder(model)  # a wrap the caller made stays: the session only joined it
     with pghf.Session(already, max_seqs=2, max_len=32, mode="eager", backend="torch") as session:
         assert session.generate(PROMPTS, NEW) == expected

@@ -20,24 +20,16 @@ import torch
 
 import piecegraph
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("restore_jit_state")]
 flashinfer = pytest.importorskip("flashinfer")
 
 from fp8_block import Block  # noqa: E402  (the block, shared with scripts/fp8_bench.py)
 
-from piecegraph.adapters import flashinfer as adapter  # noqa: E402
 from piecegraph.ops.opaque import is_opaque  # noqa: E402
 
 HIDDEN, TOKENS = 1024, 16
 RESULTS = "auto_opaque_gpu.json"  # under $PIECEGRAPH_OUT, for the closing note
-
-
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    adapter.uninstall()
-    piecegraph.unfreeze()
-    torch._dynamo.reset()
 
 
 def _block():

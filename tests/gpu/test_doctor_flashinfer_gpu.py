@@ -8,7 +8,8 @@ import torch
 
 import piecegraph
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("restore_jit_state")]
 flashinfer = pytest.importorskip("flashinfer")
 
 from piecegraph.adapters import flashinfer as adapter  # noqa: E402
@@ -32,14 +33,6 @@ class FlashInferBlock(torch.nn.Module):
             return x + self.down(a)
         q, sf = flashinfer.fp4_quantize(a, self.global_scale)
         return x + self.down(a), q, sf
-
-
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    adapter.uninstall()
-    piecegraph.unfreeze()
-    torch._dynamo.reset()
 
 
 def test_the_flashinfer_reference_decoder_has_nothing_blocking(record_result):

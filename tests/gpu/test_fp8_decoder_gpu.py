@@ -27,7 +27,8 @@ from piecegraph.models.fp8_moe import FP8Experts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not fp8_kernels_run("cuda"),
-                                 reason="needs CUDA sm90 and FlashInfer")]
+                                 reason="needs CUDA sm90 and FlashInfer"),
+              pytest.mark.usefixtures("restore_jit_state")]
 
 CFG = QWEN1_5_MOE_A2_7B.replace(num_layers=2)  # the A2.7B layer shape, two layers
 SIZES = (1, 8, 64)
@@ -36,13 +37,6 @@ RESULTS = "fp8_decoder_gpu.json"
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    piecegraph.unfreeze()
-    torch._dynamo.reset()
 
 
 @torch.no_grad()

@@ -25,7 +25,8 @@ import torch
 
 import piecegraph
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("restore_jit_state")]
 flashinfer = pytest.importorskip("flashinfer")
 
 from fp8_moe_block import MoEBlock  # noqa: E402  (the block, shared with scripts/fp8_bench.py)
@@ -35,13 +36,6 @@ from piecegraph.ops.opaque import is_opaque  # noqa: E402
 SIZES = (1, 16, 256)
 ENTRY = "flashinfer.SegmentGEMMWrapper.run"
 RESULTS = "fp8_moe_gpu.json"
-
-
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    piecegraph.unfreeze()
-    torch._dynamo.reset()
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> dict:
