@@ -94,9 +94,10 @@ def bench(
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
     from piecegraph.bench.harness import environment
     from piecegraph.bench.profile import attention_op_us
-    from piecegraph.bench.report import payload, write_json
+    from piecegraph.bench.report import payload
     from piecegraph.bench.sweep import run_sweep
     from piecegraph.models import model_facts
+    from piecegraph.results.schema import write_result
 
     device = resolve_device(device)
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
@@ -127,7 +128,7 @@ def bench(
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
         if json_path and reports:
             data = payload({**env_of(result), "partial": True}, result.rows, result.modes, attention_op_us=op_us)
-            write_json(json_path, data)
+            write_result(json_path, **data)
 
     def log(line: str) -> None:  # plain: reasons and tracebacks hold brackets that rich would read as markup
         if reports:
@@ -148,7 +149,8 @@ def bench(
 def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: Any, json_path: Path | None,
             plot_path: Path | None) -> None:
     """The sweep's table, the attention op's cost, the compact summary; then the JSON and the PNG if asked."""
-    from piecegraph.bench.report import compact, payload, rich_table, write_json
+    from piecegraph.bench.report import compact, payload, rich_table
+    from piecegraph.results.schema import write_result
 
     context, tp = env["context"], env.get("world_size", 1)
     quant, ranks = " fp8" if env.get("quant") == "fp8" else "", f" x{tp} (tp)" if tp > 1 else ""
@@ -159,7 +161,7 @@ def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: 
     data = payload(env, result.rows, result.modes, profiled, attention_op_us=op_us)
     console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
     if json_path:
-        write_json(json_path, data)
+        write_result(json_path, **data)
         console.print(f"wrote {json_path}")
     if plot_path:
         from piecegraph.bench.plot import plot

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from piecegraph.bench.harness import Row
 from piecegraph.results.report import canonical_name
-from piecegraph.results.schema import check, load_result, write_result
+from piecegraph.results.schema import check, load_result
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -70,10 +70,6 @@ def payload(env: dict[str, Any], rows: Sequence[Row], modes: dict[str, Any],
         data["profile"] = profile
     return data
 
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write :func:`payload`'s object, checked against the schema (:func:`~piecegraph.results.schema.write_result`)."""
-    write_result(path, **data)
 
 
 def compact(data: dict[str, Any]) -> str:

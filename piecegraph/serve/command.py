@@ -126,10 +126,11 @@ def serve_bench(
                                    "then do not apply"),
 ) -> None:
     """Serve random requests with closed-loop clients per concurrency and mode; throughput, TTFT, ITL, graphs."""
+    from piecegraph.results.schema import write_result
     from piecegraph.serve.bench import Workload
     from piecegraph.serve.config import EngineConfig
     from piecegraph.serve.interleave import run_interleaved
-    from piecegraph.serve.report import payload, write_json
+    from piecegraph.serve.report import payload
     from piecegraph.serve.sweep import Plan, run_sweep
 
     device = resolve_device(device)
@@ -175,7 +176,7 @@ def serve_bench(
 
     def save(results: list[dict[str, Any]]) -> None:  # after each mode: a run cut short keeps what it finished
         if json_path and reports:
-            write_json(json_path, payload(env, results))
+            write_result(json_path, **payload(env, results))
 
     if reports:
         console.print(f"[bold]serve-bench[/]: {model} on {env['gpu']} ({env['dtype']}, {backend} attention"

@@ -290,8 +290,9 @@ def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[
     ``(rounds, min_requests, max_requests)``), the serving table, the JSON and the PNG when asked."""
     import typer
 
+    from piecegraph.results.schema import write_result
     from piecegraph.serve.bench import requests_for
-    from piecegraph.serve.report import payload, plot, table, write_json
+    from piecegraph.serve.report import payload, plot, table
 
     counts = {c: counts.get(c) or requests_for(c, *rounds) for c in concurrencies}
     console.print(f"[bold]serve-bench --url[/] {url}: concurrency {list(concurrencies)}, requests "
@@ -314,7 +315,7 @@ def run_cli(url: str, workload: Any, concurrencies: Sequence[int], counts: dict[
     title = f"serving over HTTP: {result['model']} at {url}; latencies in ms"
     console.print(table([result], title))
     if json_path:
-        write_json(json_path, payload(env, [result]))
+        write_result(json_path, **payload(env, [result]))
         console.print(f"wrote {json_path}")
     if plot_path:
         plot([result], plot_path, title=title)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
-from piecegraph.results.schema import Result, write_result
+from piecegraph.results.schema import Result
 
 _COLUMNS = (
     ("mode", "mode", "{}"), ("conc", "concurrency", "{}"), ("reqs", "requests", "{}"),
@@ -139,10 +139,6 @@ def results_of(result: Result) -> list[dict[str, Any]]:
     return [{"mode": mode, **setup.get(mode, {}), "rows": [row for row in result.rows if row["mode"] == mode]}
             for mode in modes]
 
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write :func:`payload`'s object, checked against the schema (:func:`~piecegraph.results.schema.write_result`)."""
-    write_result(path, **data)
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:

@@ -338,14 +338,14 @@ def test_result_stem_names_the_date_gpu_and_attention_backend():
 
 def test_report_module_keeps_name_and_plot_for_scripts(tmp_path, capsys):
     """``python -m piecegraph.bench.report FILE --name | --plot``: what the GPU scripts call on a saved sweep."""
-    from piecegraph.bench.report import main, payload, write_json
-    from piecegraph.results.schema import environment
+    from piecegraph.bench.report import main, payload
+    from piecegraph.results.schema import environment, write_result
 
     env = environment(attention="torch", model="tiny", dtype="float32", quant="bf16", gpu="cpu", context=4)
     rows = [Row(m, "decode", b, ms=ms, tok_s=b / ms * 1e3) for m, ms in (("eager", 2.0), ("none", 1.0))
             for b in (1, 2)]
     path = tmp_path / "raw.json"
-    write_json(path, payload(env, rows, {"eager": {"setup_s": 0.1, "pool_mib": None}}))
+    write_result(path, **payload(env, rows, {"eager": {"setup_s": 0.1, "pool_mib": None}}))
     main([str(path), "--name"])
     assert capsys.readouterr().out.strip() == f"{env['date']}_cpu_bench_modes_tiny_torch"
     main([str(path), "--plot", str(tmp_path / "p.png")])
