@@ -139,7 +139,8 @@ def compare(a: Result, b: Result, columns: Sequence[str] | None = None,
     """Match ``a``'s and ``b``'s rows on their key columns (``key``, else :func:`key_columns` of both files' rows)
     and pick the measurements to compare: ``columns``, else :data:`DEFAULT_COMPARE` of the benchmark where both
     files have those columns, else every measurement both have. A key value seen twice in one file keeps its first
-    row. Raises ``ValueError`` naming a ``key`` or ``columns`` entry that neither file has."""
+    row. Raises ``ValueError`` naming a ``key`` or ``columns`` entry that neither file has, and when no row of one
+    file matches a row of the other (two benchmarks' files, or keys that tell every row apart)."""
     both = a.rows + b.rows
     known = set(columns_of(both))
     for name in (*(key or ()), *(columns or ())):
@@ -168,6 +169,9 @@ def compare(a: Result, b: Result, columns: Sequence[str] | None = None,
         else:
             out.only_a.append(k)
     out.only_b = [k for k in rows_b if k not in rows_a]
+    if not out.matched and a.rows and b.rows:  # an empty table would read as "nothing to compare"
+        raise ValueError(f"no row of A ({a.benchmark}) matches a row of B ({b.benchmark}) on {', '.join(keys)}: "
+                         "compare two runs of the same benchmark, or name the columns to match on with --key")
     return out
 
 

@@ -131,6 +131,10 @@ def test_two_files_are_compared_row_by_row_with_the_right_ratios():
     assert every.ratios("requests") == {("auto", 1): 1.0, ("auto", 10): 1.0}
     with pytest.raises(ValueError, match="no column 'nope'"):
         compare(a, b, columns=["nope"])
+    bench = check({"benchmark": "bench", "env": _env(), "rows": [{"mode": "auto", "phase": "decode", "batch": 1,
+                                                                  "ms": 1.5}]})
+    with pytest.raises(ValueError, match=r"no row of A \(serve-bench\) matches a row of B \(bench\)"):
+        compare(a, bench)
     lines = report_lines([a, b])
     assert any("only in A: piecewise, 1" in line for line in lines if isinstance(line, str))
 
