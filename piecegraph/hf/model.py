@@ -55,6 +55,10 @@ class _Wrap:
     def apply(self, model: torch.nn.Module) -> None:
         """Switch ``model``'s attention modules to piecegraph's and the model to eval mode (idempotent)."""
         self.configs += hf_attention.install(model)
+        self.to_eval(model)
+
+    def to_eval(self, model: torch.nn.Module) -> None:
+        """Put ``model`` in eval mode, remembering the modules this switches from training (for :meth:`undo`)."""
         seen = {id(m) for m in self.trained}
         self.trained += [m for m in model.modules() if m.training and id(m) not in seen]
         model.eval()
@@ -209,8 +213,8 @@ class HFDecoder(torch.nn.Module):
         setattr(self.hf, _STATE, state)
         for module, view in views:
             module.config = view
-        state.trained = [m for m in self.hf.modules() if m.training]
-        self.hf.eval()
+        state.trained = []  # what is in training mode now, not what was before the suspend
+        state.to_eval(self.hf)
         self._suspended = None
         return True
 
