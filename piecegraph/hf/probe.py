@@ -249,7 +249,8 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 def _compare(name: str, decoder: Any, layers: list, ref_tokens: list, ref_logits: list, ref_hidden: list,
              got_logits: list, got_hidden: list) -> Verdict:
-    tol = TOLERANCE.get(next(decoder.hf.parameters()).dtype, 5e-2)
+    dtype = next(decoder.hf.parameters()).dtype
+    tol = TOLERANCE.get(dtype, 5e-2)
     rel, biggest = _error(torch.cat(got_logits), torch.cat(ref_logits))
     layer, layer_rel, layer_abs = None, 0.0, 0.0
     for i in range(len(layers)):
@@ -269,7 +270,7 @@ def _compare(name: str, decoder: Any, layers: list, ref_tokens: list, ref_logits
     tokens = f"; greedy tokens differ ({wrong})" if wrong else ""
     return Verdict(name, False, f"model_type {name!r}: piecegraph's attention does not reproduce the model's own "
                                 f"forward on a probe prompt (tolerance {tol:g} for "
-                                f"{str(next(decoder.hf.parameters()).dtype).removeprefix('torch.')}): {where}; "
+                                f"{str(dtype).removeprefix('torch.')}): {where}; "
                                 f"logits relative error {rel:.3g}, largest absolute {biggest:.3g}{tokens}. "
                                 "It is refused rather than run wrong", **found)
 
