@@ -12,7 +12,7 @@ from rich.table import Table
 
 from piecegraph.bench.command import bench
 from piecegraph.cache.command import cache_app
-from piecegraph.cli_common import load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import MODEL_HELP, load_model, resolve_attention, resolve_device
 from piecegraph.diagnose.command import doctor
 from piecegraph.serve.command import serve_bench
 from piecegraph.server.command import serve
@@ -23,8 +23,7 @@ console = Console()
 
 @app.command()
 def demo(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | PATH (auto: tiny on "
-                              "CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help=MODEL_HELP),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     steps: int = typer.Option(16, min=2, help="tokens to generate per prompt"),
     attention: str = typer.Option("auto", help="auto | torch | flashinfer (auto: FlashInfer on a GPU that has it)"),

@@ -52,8 +52,9 @@ def resolve_attention(attention: str, device: str) -> str:
     return attention
 
 
-PRESETS = ("tiny", "qwen2.5-0.5b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b")
+PRESETS = ("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b")
 QUANTS = ("bf16", "fp8")
+MODEL_HELP = " | ".join(PRESETS) + " | PATH (auto: tiny on CPU, 0.5B shape on GPU)"  # --model of every command
 
 
 def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16"):
@@ -62,6 +63,7 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, qu
     model itself through :mod:`piecegraph.hf`. ``quant="fp8"``: the reference decoder's projections, MLPs and
     experts in e4m3 (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere)."""
     from piecegraph.models import (
+        LLAMA_3_2_1B_SHAPE,
         LLAMA_7B_SHAPE,
         QWEN1_5_MOE_A2_7B,
         QWEN2_5_0_5B,
@@ -75,7 +77,8 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, qu
 
     if quant not in QUANTS:
         raise typer.BadParameter(f"{quant!r} is not one of {', '.join(QUANTS)}", param_hint="--quant")
-    presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-7b-shape": LLAMA_7B_SHAPE, "tiny-moe": TINY_MOE,
+    presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-3.2-1b": LLAMA_3_2_1B_SHAPE,
+               "llama-7b-shape": LLAMA_7B_SHAPE, "tiny-moe": TINY_MOE,
                "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B}
     if model in presets:
         cls = MoEDecoder if model.endswith("moe") or "-moe-" in model else Decoder

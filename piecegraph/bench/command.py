@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from piecegraph.cli_common import (
+    MODEL_HELP,
     check_writable,
     int_list,
     load_model,
@@ -67,8 +68,7 @@ def _profile_spec(text: str | None) -> tuple[str, int] | None:
 
 
 def bench(
-    model: str = typer.Option("auto", help="tiny | qwen2.5-0.5b | llama-7b-shape | tiny-moe | qwen1.5-moe-a2.7b | "
-                              "PATH (auto: tiny on CPU, 0.5B shape on GPU)"),
+    model: str = typer.Option("auto", help=MODEL_HELP),
     quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
                               "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
     modes: str = typer.Option("all", help="comma-separated: eager,full,full-compiled,full-static,full-pieces,piecewise,"

@@ -31,7 +31,7 @@ class Row:
     size: int
     ms: float | None = None
     tok_s: float | None = None
-    hbm_frac: float | None = None  # HBM floor (weights + KV bytes / measured bandwidth) over measured ms
+    hbm_frac: float | None = None  # HBM floor (weights + KV bytes / peak bandwidth) over measured ms
     setup_s: float | None = None  # the mode's compile + capture (all bench sizes), the same on each of its rows
     pool_mib: float | None = None  # CUDA graph pool of the mode after every size was captured
     rel_err: float | None = None  # ||out - eager|| / ||eager|| on the same inputs and cache
@@ -81,6 +81,26 @@ def measure_bandwidth_gbs(device: torch.device | str, mib: int | None = None) ->
     return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
+# Vendor-stated peak HBM bandwidth (GB/s) by device name: the denominator of ``hbm_frac``, as the field's
+# "percent of peak bandwidth" figures use it. Longest key first, so "H100 PCIe" wins over "H100".
+_PEAK_HBM_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "H20": 4000.0,
+                 "GH200": 4000.0, "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0,
+                 "L40S": 864.0, "L4": 300.0, "B200": 8000.0}
+
+
+def peak_hbm_gbs(device: torch.device | str) -> float | None:
+    """The vendor-stated peak memory bandwidth of ``device`` in GB/s, or ``None`` (CPU, or a GPU not in the
+    table: the bench then divides by its measured copy bandwidth instead and says so in ``env``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(_PEAK_HBM_GBS, key=len, reverse=True):
+        if key in name:
+            return _PEAK_HBM_GBS[key]
+    return None
+
+
 def rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
     """``||out - reference|| / ||reference||`` in float32 (both cut to the reference's rows)."""
     out = out[: reference.shape[0]].float()
@@ -92,7 +112,8 @@ def environment(facts: ModelFacts, name: str, bandwidth_gbs: float, *, attention
     """The run's ``env`` in the one result schema (:func:`piecegraph.results.schema.environment`): the device the
     model's weights are on (``"cpu"`` for a CPU run on a GPU machine), versions, the resolved ``attention``
     backend, the model's name, shape (``facts.config``) and dtype, ``quant``, ``world_size``, date, commit, the
-    measured copy bandwidth, plus ``extra``."""
+    measured copy bandwidth, the peak bandwidth ``hbm_frac`` divides by (``hbm_peak_gbs``; the measured copy
+    bandwidth where the device's peak is not known), plus ``extra``."""
     from dataclasses import asdict
 
     import piecegraph
@@ -107,5 +128,6 @@ def environment(facts: ModelFacts, name: str, bandwidth_gbs: float, *, attention
         piecegraph=getattr(piecegraph, "__version__", "?"),
         model_config=asdict(facts.config) if facts.config is not None else None,
         bandwidth_gbs=round(bandwidth_gbs, 1),
+        hbm_peak_gbs=peak_hbm_gbs(facts.device),
         **extra,
     )

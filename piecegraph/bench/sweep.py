@@ -16,7 +16,7 @@ import torch
 
 from piecegraph.bench import modes as bench_modes
 from piecegraph.bench.cases import Case, capture_inputs, decode_cache, decode_cases, prefill_cases
-from piecegraph.bench.harness import Row, measure_bandwidth_gbs, rel_err, sync, time_ms
+from piecegraph.bench.harness import Row, measure_bandwidth_gbs, peak_hbm_gbs, rel_err, sync, time_ms
 from piecegraph.context import forward_context
 from piecegraph.models import ModelFacts, model_facts
 
@@ -176,14 +176,16 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     if not batches or min(batches) < 1 or (prefill and min(prefill) < 1):
         raise ValueError(f"batches {list(batches)} and prefill {list(prefill)} must be positive (batches non-empty)")
     facts = facts or model_facts(model)
-    bandwidth = measure_bandwidth_gbs(facts.device)
-    log(f"copy bandwidth {bandwidth:.0f} GB/s")
+    copy_gbs, peak = measure_bandwidth_gbs(facts.device), peak_hbm_gbs(facts.device)
+    log(f"copy bandwidth {copy_gbs:.0f} GB/s" + (f"; hbm_frac against the peak {peak:.0f} GB/s" if peak else
+                                                 "; no known peak: hbm_frac against the copy bandwidth"))
+    bandwidth = peak or copy_gbs
     cache = decode_cache(facts, batches, context, attention)
     cases = decode_cases(facts, cache, batches, context) + prefill_cases(facts, prefill, attention)
     log(f"attention backend {cache.backend.name}: {cache!r}")
     _references(model, cases, float_model)
     float_model = None  # noqa: F841  (freed before the modes are built: the A2.7B shape is 28.6 GB in bf16)
-    result = SweepResult([], bandwidth_gbs=bandwidth, attention_backend=cache.backend.name)
+    result = SweepResult([], bandwidth_gbs=copy_gbs, attention_backend=cache.backend.name)
     for name in modes:
         rows, mode_facts = _run_mode(name, model, cases, capture_inputs(facts, cache), repeats, bandwidth, log,
                                      keep_going)

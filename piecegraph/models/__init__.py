@@ -6,7 +6,7 @@ both (``quantize_fp8``). Each describes itself once as :class:`ModelFacts` (``mo
 Its attention is :mod:`piecegraph.attention`'s split op on the paged KV cache (imported with the decoder).
 """
 
-from piecegraph.models.config import LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, ModelConfig
+from piecegraph.models.config import LLAMA_3_2_1B_SHAPE, LLAMA_7B_SHAPE, QWEN2_5_0_5B, TINY, ModelConfig
 from piecegraph.models.decoder import Decoder
 from piecegraph.models.facts import ModelFacts, model_facts
 from piecegraph.models.fp8_moe import quantize_fp8
@@ -21,6 +21,7 @@ __all__ = [
     "ModelFacts",
     "MoEConfig",
     "MoEDecoder",
+    "LLAMA_3_2_1B_SHAPE",
     "LLAMA_7B_SHAPE",
     "QWEN1_5_MOE_A2_7B",
     "QWEN2_5_0_5B",

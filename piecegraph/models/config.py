@@ -179,6 +179,12 @@ QWEN2_5_0_5B = ModelConfig(
 
 # Llama-2-7B's dimensions with 8 kv heads (GQA, as Llama 3 and Mistral): the shape that benefits from tensor
 # parallelism in the benchmarks (13.5 GB of bf16 weights). Random weights only: it names no checkpoint.
+# Llama-3.2-1B's shape (its llama3 RoPE scaling aside: random weights, plain RoPE), the batch-1 memory-bound case.
+LLAMA_3_2_1B_SHAPE = ModelConfig(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+    head_dim=64, rms_eps=1e-5, rope_theta=5e5, tie_embeddings=True, qkv_bias=False, max_seq_len=4096,
+)
+
 LLAMA_7B_SHAPE = ModelConfig(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=8,
     head_dim=128, rms_eps=1e-5, rope_theta=1e4, tie_embeddings=False, qkv_bias=False, max_seq_len=4096,
