@@ -109,9 +109,15 @@ def _kernel_summary(events: list[Any], steps: int, top: int = 6) -> dict[str, An
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
     ranked = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    gaps = [max(0.0, start - prev_end) for (_, prev_end), (start, _) in zip(ranges, ranges[1:])]
+    busy_us = sum(by_name.values())
     return {
         "gpu_kernels_per_step": len(kernels) / steps,
-        "gpu_kernel_ms_per_step": sum(by_name.values()) / 1e3 / steps,
+        "gpu_kernel_ms_per_step": busy_us / 1e3 / steps,
+        # from the first kernel's start to the last one's end, per step: busy + the gaps between kernels
+        "gpu_span_ms_per_step": (ranges[-1][1] - ranges[0][0]) / 1e3 / steps,
+        "median_gap_us": round(statistics.median(gaps), 2) if gaps else 0.0,
         "top_kernels_ms_per_step": {name[:80]: round(us / 1e3 / steps, 4) for name, us in ranked},
     }
 
