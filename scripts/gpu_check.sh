@@ -232,18 +232,9 @@ if has http; then  # the 0.5B shape behind `piecegraph serve`: throughput over H
     done
   fi
 fi
-if has tp; then  # two GPUs: the TP tests (TP=2 against TP=1), then the bench at TP 1 and 2 on two shapes
-  python3 -m pytest tests/gpu/test_tp_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log"
-  ok "${PIPESTATUS[0]}"
-  for model in ${TP_MODELS:-qwen2.5-0.5b llama-7b-shape}; do
-    for tp in 1 2; do
-      NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} python3 -m piecegraph.cli bench --model "$model" --tp $tp --device cuda \
-        --attention flashinfer --modes eager,full,piecewise --batches "${BATCHES:-1,10,256}" \
-        --prefill "${PREFILL:-128,2048}" --json "$(name "tp${tp}_${model}_bench")" >>"$OUT/tp_bench.log" 2>&1
-      ok $?
-    done
-  done
-  tail -60 "$OUT/tp_bench.log"
+if has tp; then  # several GPUs: scripts/tp_check.sh (the TP tests, bench and serve-bench at world size 1 and TP)
+  TP=${TP:-2} bash scripts/tp_check.sh "$OUT"
+  ok $?
 fi
 if [ -n "${JIT_SAVE:-}" ]; then  # the kernels FlashInfer built here, for a later call's .whl/flashinfer_jit.tgz
   ops=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)" 2>/dev/null)
