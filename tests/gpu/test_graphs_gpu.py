@@ -47,9 +47,12 @@ def test_capture_every_default_size_and_replay_equals_compiled(model, mode, reco
             with graphed.without_graphs():  # the same compiled kernels, no graph
                 expected = graphed(ids, positions)
         errors[n] = (_rel(got, expected), _rel(got, eager))
-        # Graphs replay the compiled kernels: equal to the compiled model within bf16 noise. Against eager, the
-        # difference is Inductor's fusion (fp32 intermediates) over 24 random layers: a looser sanity bound.
-        assert errors[n][0] < 2e-3 and errors[n][1] < 1e-1, (n, errors[n])
+        # At a capture size the graph replays the very kernels the compiled model runs: equal within bf16 noise.
+        # Between sizes the graph runs the next capture size's static compile on padded rows, the compiled model
+        # its dynamic kernels at n: other tilings and reduction orders, whose bf16 rounding 24 random layers
+        # amplify as much as Inductor's fusion against eager: the eager bound then (measured on an H100: 0.02-0.03).
+        bound = 2e-3 if n in stats["sizes"] else 1e-1
+        assert errors[n][0] < bound and errors[n][1] < 1e-1, (n, errors[n])
     record_result("gpu_tests.json", f"capture_{mode}", {
         "sizes": len(stats["sizes"]), "capture_s_total": sum(stats["capture_s"].values()),
         "capture_wall_s": wall, "pool_mib": stats["pool_bytes"] / 2**20, "pieces": stats["pieces"],
@@ -69,7 +72,9 @@ def test_piecewise_prefill_of_a_mixed_batch_equals_eager(model):
             got = graphed(ids, meta.positions)
             with graphed.without_graphs():
                 expected = graphed(ids, meta.positions)
-        assert _rel(got, expected) < 2e-3 and _rel(got, eager) < 1e-1
+        # 102 tokens replay the 128 graph (its static compile on padded rows); the compiled model runs its dynamic
+        # kernels at 102: the eager bound, as between sizes above
+        assert _rel(got, expected) < 1e-1 and _rel(got, eager) < 1e-1
     assert graphed.stats()["replays"] == 1
 
 
