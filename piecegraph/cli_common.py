@@ -52,26 +52,35 @@ def resolve_attention(attention: str, device: str) -> str:
     return attention
 
 
-PRESETS = ("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b")
+PRESETS = ("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b", "tiny-mla",
+           "deepseek-v3-shape", "glm5-shape")
 QUANTS = ("bf16", "fp8")
 MODEL_HELP = " | ".join(PRESETS) + " | PATH (auto: tiny on CPU, 0.5B shape on GPU)"  # --model of every command
 
 
 def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16"):
-    """A preset of :data:`PRESETS` (random reference decoders, dense or MoE) or a local checkpoint directory: the
-    reference decoder for Qwen2/Llama, unless ``hf`` (``--hf``) or another model type asks for the Hugging Face
-    model itself through :mod:`piecegraph.hf`. ``quant="fp8"``: the reference decoder's projections, MLPs and
-    experts in e4m3 (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere)."""
+    """A preset of :data:`PRESETS` (random reference decoders, dense, MoE or MLA) or a local checkpoint directory:
+    the reference decoder for Qwen2/Llama, the MLA decoder for DeepSeek-V2/V3 and GLM-5 (``glm_moe_dsa``), unless
+    ``hf`` (``--hf``) or another model type asks for the Hugging Face model itself through :mod:`piecegraph.hf`.
+    ``quant="fp8"``: the reference decoder's projections, MLPs and experts in e4m3
+    (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere)."""
     from piecegraph.models import (
+        DEEPSEEK_V3_SHAPE,
+        GLM5_SHAPE,
         LLAMA_3_2_1B_SHAPE,
         LLAMA_7B_SHAPE,
         QWEN1_5_MOE_A2_7B,
         QWEN2_5_0_5B,
         TINY,
+        TINY_MLA,
         TINY_MOE,
         Decoder,
+        MLAConfig,
+        MLADecoder,
         MoEDecoder,
+        is_mla_folder,
         load_hf,
+        load_mla,
         quantize_fp8,
     )
 
@@ -79,10 +88,17 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, qu
         raise typer.BadParameter(f"{quant!r} is not one of {', '.join(QUANTS)}", param_hint="--quant")
     presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-3.2-1b": LLAMA_3_2_1B_SHAPE,
                "llama-7b-shape": LLAMA_7B_SHAPE, "tiny-moe": TINY_MOE,
-               "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B}
+               "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B, "tiny-mla": TINY_MLA,
+               "deepseek-v3-shape": DEEPSEEK_V3_SHAPE, "glm5-shape": GLM5_SHAPE}
     if model in presets:
         cls = MoEDecoder if model.endswith("moe") or "-moe-" in model else Decoder
+        cls = MLADecoder if isinstance(presets[model], MLAConfig) else cls
         net = cls.random(presets[model], seed=0, dtype=dtype, device=device).eval()
+    elif Path(model).is_dir() and not hf and is_mla_folder(model):  # DeepSeek-V2/V3, GLM-5: the MLA decoder
+        try:
+            net = load_mla(model, dtype=dtype, device=device)
+        except (FileNotFoundError, ValueError) as err:
+            raise typer.BadParameter(str(err).splitlines()[0], param_hint="--model") from None
     elif Path(model).is_dir() and (hf or _needs_transformers(model)):
         if quant != "bf16":
             raise typer.BadParameter("--quant fp8 is for the reference decoders, not the Hugging Face model",

@@ -1,7 +1,10 @@
 """The paged KV cache: fixed-size pages per layer, one page table per sequence, page 0 a scratch page.
 
-Layout ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer for k and for v (FlashInfer's ``NHD``; the
-pair ``(cache.k[layer], cache.v[layer])`` is the ``paged_kv_cache`` its wrappers take). Page 0 is never given to
+Layout ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer for k, ``v_head_dim`` wide (default
+``head_dim``) for v (FlashInfer's ``NHD``; the pair ``(cache.k[layer], cache.v[layer])`` is the ``paged_kv_cache``
+its wrappers take). A multi-head latent attention shape (``config.mla``) stores its latent in k and its rotary key
+in v, one "head" each, and a DSA indexer's keys in ``index_k`` (``[num_pages, page_size, index_head_dim]``).
+Page 0 is never given to
 a sequence: padded tokens (all-zero metadata) write into it and read from it, harmlessly.
 
 Page tables live twice: as host lists (what the scheduler and the host half of a step's layout read) and as one
@@ -13,17 +16,33 @@ steps gather their page layouts on the device instead of sending every page from
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Protocol, Sequence
 
 import torch
 
 from piecegraph.attention.backends import resolve_backend
 from piecegraph.attention.metadata import to_device
 from piecegraph.attention.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
-from piecegraph.attention.types import CacheShape
+from piecegraph.attention.types import CacheShape, index_head_dim, v_head_dim
 from piecegraph.program import describe
 
-__all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "pages_for"]
+__all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "PageKeeper", "pages_for"]
+
+class PageKeeper(Protocol):
+    """What keeps pages no sequence holds for later reuse (``piecegraph.serve.prefix_cache.PrefixCache``): kept
+    pages count as free (:attr:`KVCache.num_free_pages`) and are taken back, least useful first, when the free
+    list runs short."""
+
+    @property
+    def num_kept(self) -> int:
+        """Unreferenced pages it keeps."""
+
+    def keep(self, pages: list[int]) -> list[int]:
+        """``pages`` (in table order) lost their last holder: keep some; returns the rest, to be freed."""
+
+    def evict(self, n: int) -> list[int]:
+        """Give back ``n`` kept pages (at most :attr:`num_kept`), forgetting what they held."""
+
 
 class OutOfPagesError(RuntimeError):
     """The KV cache has too few free pages for a request; nothing was allocated or freed by the failed call."""
@@ -60,10 +79,17 @@ class KVCache:
         if self.max_seq_len < 1:
             raise ValueError(f"KVCache max_seq_len must be positive, got {self.max_seq_len}")
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        self.v_head_dim, self.index_head_dim = v_head_dim(config), index_head_dim(config)
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        v_shape = (*shape[:3], self.v_head_dim)  # values may be narrower or wider than keys (MLA: the rotary key)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # a DSA indexer's keys, one per token (same pages); none without an indexer
+        self.index_k = [torch.zeros(num_pages, page_size, self.index_head_dim, dtype=dtype, device=device)
+                        for _ in range(config.num_layers if self.index_head_dim else 0)]
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # popped from the end: low pages first
+        self._refs = [0] * num_pages  # sequences holding each page (a shared prefix page: several)
+        self.keeper: PageKeeper | None = None  # keeps unreferenced pages for reuse (a prefix cache); see attach
         self._tables: dict[Hashable, list[int]] = {}
         self._slots: dict[Hashable, int] = {}  # sequence -> its row of the device table
         self._free_slots: list[int] = []
@@ -98,7 +124,31 @@ class KVCache:
     # -- pages ------------------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: free ones and the unreferenced pages the :attr:`keeper` keeps."""
+        return len(self._free) + (self.keeper.num_kept if self.keeper is not None else 0)
+
+    def refcount(self, page: int) -> int:
+        """How many sequences hold ``page`` (0: free, or kept by the keeper)."""
+        return self._refs[page]
+
+    def attach(self, seq: Hashable, pages: Sequence[int]) -> None:
+        """Start ``seq``'s page table with ``pages``, pages other sequences hold or the keeper kept (a cached
+        prefix; the keeper takes them out of its kept set first), each gaining a reference. ``seq`` must hold no
+        pages. The pages are shared, never copied: ``seq`` must not write them (its new tokens go to pages it
+        reserves after them), and :meth:`free` releases a page only when its last holder goes."""
+        if self.capacity(seq):
+            raise ValueError(f"sequence {seq!r} already holds pages; attach shared pages before any reservation")
+        if any(not SCRATCH_PAGE < p < self.num_pages for p in pages):
+            raise ValueError(f"sequence {seq!r}: pages {list(pages)} include one outside 1..{self.num_pages - 1}")
+        if len(pages) > self.max_pages_per_seq:
+            raise ValueError(f"sequence {seq!r}: {len(pages)} pages exceed max_pages_per_seq "
+                             f"{self.max_pages_per_seq}")
+        table = self._tables.setdefault(seq, [])
+        row = self._slot_for(seq)
+        for page in pages:
+            self._refs[page] += 1
+            self._writes[row, len(table)] = page
+            table.append(page)
 
     def page_table(self, seq: Hashable) -> list[int]:
         """The pages of ``seq`` in order (a copy); raises ``KeyError`` naming it when it holds none."""
@@ -134,17 +184,23 @@ class KVCache:
                 needs[seq] = need
         wanted = sum(needs.values())
         if wanted > len(self._free):
-            raise OutOfPagesError(
-                f"the KV cache needs {wanted} more pages of {self.page_size} tokens for this batch but has "
-                f"{len(self._free)} free of {self.num_pages - 1} ({len(self._tables)} sequences hold the rest). "
-                "Free finished sequences (cache.free(seq)), run fewer sequences per step, or build a larger cache."
-            )
+            available = self.num_free_pages
+            if wanted > available:
+                raise OutOfPagesError(
+                    f"the KV cache needs {wanted} more pages of {self.page_size} tokens for this batch but has "
+                    f"{available} free of {self.num_pages - 1} ({len(self._tables)} sequences hold the rest). "
+                    "Free finished sequences (cache.free(seq)), run fewer sequences per step, or build a larger "
+                    "cache.")
+            self._free.extend(self.keeper.evict(wanted - len(self._free)))  # least recently used kept pages
+        refs = self._refs
         for seq, n in needs.items():
             table = self._tables.setdefault(seq, [])
             row = self._slot_for(seq)
             for _ in range(n):
-                self._writes[row, len(table)] = self._free[-1]
-                table.append(self._free.pop())
+                page = self._free.pop()
+                refs[page] = 1
+                self._writes[row, len(table)] = page
+                table.append(page)
 
     def discard(self, seq: Hashable) -> int:
         """Release the pages of ``seq`` when it holds any (:meth:`free`); returns how many, 0 for a sequence
@@ -152,11 +208,19 @@ class KVCache:
         return self.free(seq) if self.capacity(seq) else 0
 
     def free(self, seq: Hashable) -> int:
-        """Release every page of ``seq``; returns how many. Unknown sequences raise ``KeyError``."""
+        """Release every page of ``seq``; returns how many. A page another sequence still holds stays; one whose
+        last holder went is free again, or kept by the :attr:`keeper`. Unknown sequences raise ``KeyError``."""
         if seq not in self._tables:
             raise KeyError(f"sequence {seq!r} has no pages in this KV cache")
         pages = self._tables.pop(seq)
-        self._free.extend(reversed(pages))
+        refs, released = self._refs, []
+        for page in pages:
+            refs[page] -= 1
+            if not refs[page]:
+                released.append(page)
+        if released and self.keeper is not None:
+            released = self.keeper.keep(released)
+        self._free.extend(reversed(released))
         row = self._slots.pop(seq)
         for col in range(len(pages)):  # back to scratch: a reused row never shows a stale page
             self._writes[row, col] = SCRATCH_PAGE

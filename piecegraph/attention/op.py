@@ -20,6 +20,9 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     scale: float = 0.0, window: int = -1, softcap: float = 0.0) -> None:
     """Write the first n tokens' k, v into the cache, attend, fill ``out[:n]``, zero ``out[n:]``.
 
+    ``q``, ``k``: ``head_dim`` per head; ``v`` and ``out``: the cache's ``v_head_dim`` per head (``head_dim``
+    unless the model's values are of another width).
+
     Per-layer constants (Hugging Face models pass them; the reference decoder leaves the defaults): ``scale``
     (0: the backend's ``head_dim ** -0.5``), ``window`` (a sliding window: a query at position p sees keys at
     positions > p - window; -1 or any window >= the cache's ``max_seq_len``: none, since it never excludes a key)
@@ -28,6 +31,7 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     meta = get_forward_context()
     cache = meta.cache
     n, total, dim = meta.num_tokens, q.shape[0], cache.head_dim
+    vdim = getattr(cache, "v_head_dim", dim)
     if n > total:
         raise ValueError(f"attention metadata covers {n} tokens but the model was called with only {total}")
     if not 0 <= layer < len(cache.k):
@@ -38,9 +42,9 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         rows = out
     # reshape, not view: a compiler may hand us non-contiguous strides
     heads_kv = cache.num_kv_heads
-    target = rows.view(n, -1, dim)
+    target = rows.view(n, -1, vdim)  # out: [T, heads * v_head_dim] (values may differ in width from keys)
     extras = _extras(scale, window, softcap, cache.max_seq_len)
-    cache.backend.forward(q.reshape(n, -1, dim), k.reshape(n, heads_kv, dim), v.reshape(n, heads_kv, dim), target,
+    cache.backend.forward(q.reshape(n, -1, dim), k.reshape(n, heads_kv, dim), v.reshape(n, heads_kv, vdim), target,
                           layer, meta, **extras)
     if total > n:
         out[n:].zero_()  # pad rows: zeros, never garbage that could leak into later pieces
@@ -64,7 +68,7 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
 
 # "DEF", not "FRAGMENT": FRAGMENT registration before Inductor's first import broke torch.compile on torch 2.11.
-_LIB = torch.library.Library("piecegraph_models", "DEF")
+_LIB = LIBRARY = torch.library.Library("piecegraph_models", "DEF")  # mla_op defines its op on it too
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer, float scale=0., int window=-1, "
             "float softcap=0.) -> ()")
 for _key in ("CPU", "CUDA"):

@@ -15,7 +15,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 class CacheShape(Protocol):
-    """The model dimensions a KV cache and an attention backend are built for."""
+    """The model dimensions a KV cache and an attention backend are built for.
+
+    Optional attributes, read with :func:`v_head_dim`, :func:`index_head_dim` and :func:`is_mla` (absent means
+    the default): ``v_head_dim`` (the cache's v per head; default ``head_dim``: values as wide as keys),
+    ``index_head_dim`` (a DSA indexer's key cache per token; default 0: none) and ``mla`` (multi-head latent
+    attention: k holds the latent of ``head_dim``, v the rotary key of ``v_head_dim``, one "head" per token).
+    """
 
     num_layers: int
     num_heads: int
@@ -34,6 +40,7 @@ class PagedCache(Protocol):
     max_seq_len: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int
     backend: Any
 
     @property
@@ -50,3 +57,18 @@ class PagedCache(Protocol):
     def page_table(self, seq: Hashable) -> list[int]: ...
 
     def reserve(self, lengths: Iterable[tuple[Hashable, int]]) -> None: ...
+
+
+def v_head_dim(config: CacheShape) -> int:
+    """The width of the cache's v per kv head: ``config.v_head_dim``, else ``config.head_dim``."""
+    return int(getattr(config, "v_head_dim", None) or config.head_dim)
+
+
+def index_head_dim(config: CacheShape) -> int:
+    """The width of a DSA indexer's cached key per token: ``config.index_head_dim``, else 0 (no indexer)."""
+    return int(getattr(config, "index_head_dim", None) or 0)
+
+
+def is_mla(config: CacheShape) -> bool:
+    """Whether ``config`` is a multi-head latent attention shape (``config.mla``; see :class:`CacheShape`)."""
+    return bool(getattr(config, "mla", False))

@@ -20,6 +20,7 @@ from unittest import mock
 
 import torch
 
+from piecegraph.attention.types import v_head_dim
 from piecegraph.bench import modes as bench_modes
 from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases
 from piecegraph.bench.harness import sync, time_ms
@@ -27,7 +28,8 @@ from piecegraph.context import forward_context
 from piecegraph.graphs.capture import GraphedPiece
 from piecegraph.models import ModelFacts
 
-SPLIT_OP = "piecegraph_models::attention"
+# the attention split ops a step calls between pieces: ordinary models', and MLA models' (DeepSeek, GLM-5)
+SPLIT_OPS = ("piecegraph_models::attention", "piecegraph_models::mla_attention")
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 # attention_op_us's cases: (JSON key, phase, decode batch | prefill tokens)
 OP_COST_CASES = (("decode_1", "decode", 1), ("prefill_512", "prefill", 512))
@@ -66,7 +68,7 @@ def _cpu_breakdown(fn: Any, args: tuple[Any, ...], steps: int) -> dict[str, floa
 def _under_split(event: Any) -> bool:
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name == SPLIT_OP:
+        if parent.name in SPLIT_OPS:
             return True
         parent = parent.cpu_parent
     return False
@@ -82,7 +84,7 @@ def _profiled_counts(fn: Any, args: tuple[Any, ...], steps: int) -> dict[str, fl
             fn(*args)
         sync()
     events = list(prof.events())
-    split = [e for e in events if e.name == SPLIT_OP]
+    split = [e for e in events if e.name in SPLIT_OPS]
     inner = [e for e in events if e.name.startswith("aten::") and e.name not in _VIEWS and _under_split(e)]
     launches = [e for e in events if e.name in _LAUNCHES]
     launches_in_split = sum(1 for e in launches if _under_split(e))
@@ -179,7 +181,8 @@ def verdict(p: dict[str, Any]) -> str:
 
 def attention_op_us(facts: ModelFacts, attention: str = "auto", context: int = 256, calls: int = 30
                     ) -> dict[str, Any]:
-    """Median CPU microseconds of one call of the attention split op (layer 0), per :data:`OP_COST_CASES`:
+    """Median CPU microseconds of one call of the attention split op (layer 0; ``mla_attention`` for an MLA
+    model, with its DSA indexer's top-k where layer 0 has one), per :data:`OP_COST_CASES`:
     decode batch 1 at ``context`` cached tokens, and the bench's 512-token packed prefill, on fresh paged caches
     with the ``attention`` backend. Never raises: a case that fails is ``None``, its reason under ``"failed"``.
 
@@ -207,24 +210,44 @@ def attention_op_us(facts: ModelFacts, attention: str = "auto", context: int = 2
 
 
 def _op_call_us(facts: ModelFacts, meta: Any, calls: int, warmup: int = 3) -> float:
-    """Median host microseconds of ``torch.ops.piecegraph_models.attention`` on random q/k/v under ``meta``."""
-    config, device, dtype = facts.config, facts.device, facts.dtype
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    n = meta.num_tokens
-
-    def rand(heads: int) -> torch.Tensor:
-        return torch.randn(n, heads * config.head_dim, generator=gen).to(device=device, dtype=dtype)
-
-    q, k, v = rand(config.num_heads), rand(config.num_kv_heads), rand(config.num_kv_heads)
-    out = torch.empty_like(q)
-    op = torch.ops.piecegraph_models.attention
+    """Median host microseconds of layer 0's attention split op under ``meta``, on random inputs: see
+    :func:`_op_and_args`."""
+    op, args = _op_and_args(facts, meta.num_tokens)
     times = []
     with torch.no_grad(), forward_context(meta):
         for i in range(warmup + calls):  # warm-up: lazy inits, JIT kernels (FlashInfer), allocator blocks
             sync()
             start = time.perf_counter()
-            op(q, k, v, out, 0)
+            op(*args)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     sync()
     return statistics.median(times) * 1e6
+
+
+def _op_and_args(facts: ModelFacts, n: int) -> tuple[Any, tuple[Any, ...]]:
+    """The split op layer 0 calls and random arguments for ``n`` tokens: ``piecegraph_models::attention(q, k, v,
+    out, 0)``, or for an MLA config (``config.mla``) ``piecegraph_models::mla_attention`` with the absorbed query,
+    the latent and rotary key, and with DSA (layer 0 has its own indexer) the indexer's query, weights and key."""
+    config, device, dtype = facts.config, facts.device, facts.dtype
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(n, *shape, generator=gen).to(device=device, dtype=as_dtype)
+
+    if not getattr(config, "mla", False):
+        v_dim = v_head_dim(config)
+        q, k, v = rand(config.num_heads * config.head_dim), rand(config.num_kv_heads * config.head_dim), \
+            rand(config.num_kv_heads * v_dim)
+        out = torch.empty(n, config.num_heads * v_dim, device=device, dtype=dtype)
+        return torch.ops.piecegraph_models.attention, (q, k, v, out, 0)
+    from piecegraph.models.mla import softmax_scale  # registers mla_attention (an MLA model has imported it)
+
+    heads, rank, rope = config.num_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    q_nope, q_pe, ckv, kpe = rand(heads, rank), rand(heads, rope), rand(rank), rand(rope)
+    index: tuple[Any, ...] = (None, None, None, 1.0)
+    if config.index_head_dim and config.layer_indexer_types[0] == "full":
+        hi, di = config.index_n_heads, config.index_head_dim
+        index = (rand(hi, di), rand(hi, as_dtype=torch.float32) * hi ** -0.5, rand(di), di ** -0.5)
+    return torch.ops.piecegraph_models.mla_attention, (
+        q_nope, q_pe, ckv, kpe, torch.empty_like(q_nope), 0, softmax_scale(config), config.index_topk, *index)

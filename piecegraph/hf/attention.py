@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
-from piecegraph.hf.arch import UnsupportedModelError, head_dim, model_type
+from piecegraph.hf.arch import UnsupportedModelError, head_dims, model_type
 from piecegraph.program import describe
 
 NAME = "piecegraph"
@@ -164,7 +164,8 @@ def is_flat(attention_mask: Any, kwargs: dict) -> bool:
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """The ``"piecegraph"`` attention function (see the module docstring). Returns ``([1, T, H, D], None)``."""
+    """The ``"piecegraph"`` attention function (see the module docstring). Returns ``([1, T, H, Dv], None)``
+    (``Dv``: the values' head dim, which may differ from the queries' and keys' ``D``)."""
     if not is_flat(attention_mask, kwargs):
         return hf_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
     scale, window, softcap = _constants(module, args, kwargs)
@@ -172,12 +173,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if batch != 1:
         raise ValueError(f"piecegraph attention runs flat tokens ([1, heads, T, dim]), got query {tuple(query.shape)}")
     _check_shapes(module, query, key, value)
+    vdim = value.shape[-1]
     q = query[0].transpose(0, 1).reshape(tokens, heads * dim)
     k = key[0].transpose(0, 1).reshape(tokens, -1)
     v = value[0].transpose(0, 1).reshape(tokens, -1)
-    out = torch.empty_like(q)  # the op writes here: a stable address for the pieces after the split
+    out = q.new_empty(tokens, heads * vdim)  # the op writes here: a stable address for the pieces after the split
     torch.ops.piecegraph_models.attention(q, k, v, out, module.layer_idx, scale, window, softcap)
-    return out.view(1, tokens, heads, dim), None
+    return out.view(1, tokens, heads, vdim), None
 
 
 def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, int, float]:
@@ -205,20 +207,23 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
 
 
 def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Refuse keys and values the paged cache was not shaped for: heads of another size than the config's
-    ``head_dim`` (multi-head latent attention, values of their own size), or, where the module says how many query
-    heads share one (``num_key_value_groups``, kept per rank under tensor parallelism), another head count."""
-    want = head_dim(module.config)
+    """Refuse keys and values the paged cache was not shaped for: queries and keys of another size than the
+    config's query/key head dim, values of another size than its value head dim (:func:`~piecegraph.hf.arch.head_dims`),
+    or, where the module says how many query heads share one (``num_key_value_groups``, kept per rank under
+    tensor parallelism), another head count."""
+    want_qk, want_v = head_dims(module.config)
     groups = getattr(module, "num_key_value_groups", None)
     kv_heads = query.shape[1] // groups if isinstance(groups, int) and groups > 0 else None
-    for name, tensor in (("keys", key), ("values", value)):
-        if tensor.shape[-1] == want == query.shape[-1] and kv_heads in (None, tensor.shape[1]):
+    for name, tensor, want in (("keys", key, want_qk), ("values", value, want_v)):
+        if tensor.shape[-1] == want and query.shape[-1] == want_qk and kv_heads in (None, tensor.shape[1]):
             continue
+        mla = (" (multi-head latent attention, run expanded: the config's kv heads must then be its query heads)"
+               if getattr(module.config, "kv_lora_rank", None) else "")
         raise UnsupportedModelError(
             f"model_type {model_type(module.config)!r}: its attention's {name} have {tensor.shape[1]} heads of "
             f"{tensor.shape[-1]} (queries: {query.shape[1]} of {query.shape[-1]}; expected "
-            f"{kv_heads or 'some'} of {want}): piecegraph's paged cache holds keys and values of the config's "
-            "head_dim, the queries' too (no multi-head latent attention)")
+            f"{kv_heads or 'some'} of {want}, queries of {want_qk}): piecegraph's paged cache holds keys of the "
+            f"config's query/key head dim and values of its value head dim{mla}")
 
 
 def query_scale(module: torch.nn.Module) -> float:

@@ -17,6 +17,7 @@ from piecegraph.config import Config, default_capture_sizes
 from piecegraph.graphed.module import GraphedModule
 from piecegraph.graphs.capture import GraphPool
 from piecegraph.hf import reuse as reuse_
+from piecegraph.hf.mla import MLAHFDecoder, is_mla_model
 from piecegraph.hf.model import HFDecoder
 from piecegraph.models.generate import dummy_inputs, greedy_loop, stop_ids
 
@@ -25,8 +26,11 @@ MODES = ("graphs", "none", "eager")
 
 def wrap(model: Any, **options: Any) -> HFDecoder:
     """``model`` itself when it is an :class:`HFDecoder` (``options`` unused), else ``HFDecoder(model,
-    **options)`` (which checks the model: see :class:`HFDecoder`)."""
-    return model if isinstance(model, HFDecoder) else HFDecoder(model, **options)
+    **options)`` (which checks the model: see :class:`HFDecoder`); an MLA model (DeepSeek-V2/V3, GLM-5) gets
+    :class:`~piecegraph.hf.mla.MLAHFDecoder`, the engine's MLA decoder on the model's own tensors."""
+    if isinstance(model, HFDecoder):
+        return model
+    return MLAHFDecoder(model, **options) if is_mla_model(model) else HFDecoder(model, **options)
 
 
 def eos_ids(model: HFDecoder, eos_token_id: int | Iterable[int] | None = None) -> set[int]:

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from piecegraph.attention.backends.flashinfer_layout import page_layout
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
 from piecegraph.attention.pages import SCRATCH_PAGE
-from piecegraph.attention.types import CacheShape, PagedCache
+from piecegraph.attention.types import CacheShape, PagedCache, v_head_dim
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
 
@@ -136,11 +136,19 @@ class FlashInferBackend:
         self._fi = flashinfer
         self.num_heads = config.num_heads
         self.scale = config.head_dim ** -0.5
+        # Values of another width than keys (head_dim_vo != head_dim_qk): FlashInfer 0.5.3's decode wrapper plans
+        # one head_dim for both (decode.py plan(head_dim=...)), its prefill wrapper takes head_dim_vo. So such a
+        # model's decode steps run on a prefill wrapper too: a decode row is a query of length 1, and the
+        # tensor-core decode wrapper runs the same fa2 prefill kernels anyway.
+        self.v_head_dim = v_head_dim(config)
+        self._split_dims = self.v_head_dim != config.head_dim
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._cuda = self.workspace.is_cuda  # False only under a CPU stand-in for flashinfer (tests)
-        self._decode = _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                           use_tensor_cores=True))
         self._prefill = _Slot(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
+        self._decode = (_Slot(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
+                        if self._split_dims else
+                        _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                            use_tensor_cores=True)))
         self._graphs: dict[int, _Graph] = {}
         self.replans = 0
         self.plans, self.plan_s = 0, 0.0  # wrapper plan() calls and their host seconds (the engine reports both)
@@ -166,9 +174,9 @@ class FlashInferBackend:
                                "FlashInfer plans on the host first; run the step once before capturing it")
         cache, decode = meta.cache, meta.is_decode
         dev, cpu = page_layout(plan.layout, cache.device, table=_device_table(cache))
-        head = () if decode else (cpu["qo_indptr"],)
+        head = () if decode and not self._split_dims else (cpu["qo_indptr"],)
         plan.args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
-        plan.kwargs = self._options(cache, cpu) if decode else {**self._options(cache, cpu), "causal": True}
+        plan.kwargs = self._options(cache, cpu, prefill=not decode or self._split_dims)
         plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len = (
             dev["kv_indptr"], dev["kv_indices"], dev["kv_last_page_len"])
         self._plan_on(plan.slot, plan.args, plan.kwargs)
@@ -177,11 +185,14 @@ class FlashInferBackend:
     def _shape(self, cache: PagedCache) -> tuple[int, int, int, int]:
         return self.num_heads, cache.num_kv_heads, cache.head_dim, cache.page_size
 
-    def _options(self, cache: PagedCache, cpu: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _options(self, cache: PagedCache, cpu: dict[str, torch.Tensor], prefill: bool = False) -> dict[str, Any]:
         # seq_lens: the KV lengths, which plan() would otherwise compute into a pageable tensor, copy from it and
         # take the max of element by element (see flashinfer_layout.py)
-        return {"q_data_type": cache.dtype, "kv_data_type": cache.dtype, "sm_scale": self.scale,
-                "seq_lens": cpu["seq_lens"]}
+        options = {"q_data_type": cache.dtype, "kv_data_type": cache.dtype, "sm_scale": self.scale,
+                   "seq_lens": cpu["seq_lens"]}
+        if prefill:  # a prefill wrapper's plan: causal (bottom-right aligned), its own value width
+            options.update(causal=True, head_dim_vo=self.v_head_dim)
+        return options
 
     def _plan_on(self, slot: _Slot, args: tuple, kwargs: dict) -> None:
         # plan() rewrites the wrapper's pinned host buffer and copies it to the GPU asynchronously: if the copy of
@@ -228,8 +239,9 @@ class FlashInferBackend:
             page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
         )
         dev, cpu = page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
-        args = (cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
-        self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu))
+        head = (cpu["qo_indptr"],) if self._split_dims else ()
+        args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
+        self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu, prefill=self._split_dims))
         view = meta.replace(
             positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
             kv_lens=_pad_rows(meta.kv_lens, pad), mask=None, plan=graph.plan,
@@ -242,7 +254,7 @@ class FlashInferBackend:
         larger one that later wrappers share (graphs captured before keep theirs, whose address they baked in)."""
         if self._cuda:
             num_sm = torch.cuda.get_device_properties(self.workspace.device).multi_processor_count
-            need = graph_workspace_bytes(self.num_heads, cache.num_kv_heads, cache.head_dim, size, num_sm)
+            need = graph_workspace_bytes(self.num_heads, cache.num_kv_heads, self.v_head_dim, size, num_sm)
             if need > self.workspace.numel():
                 self.workspace = torch.zeros(-(-need // (16 << 20)) * (16 << 20), dtype=torch.uint8,
                                              device=self.workspace.device)
@@ -253,10 +265,17 @@ class FlashInferBackend:
         zeros = {"dtype": torch.int32, "device": cache.device}
         indptr, last = torch.zeros(size + 1, **zeros), torch.zeros(size, **zeros)
         indices = torch.zeros(size * cache.max_pages_per_seq, **zeros)  # every row holds 1..max_pages_per_seq
-        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._graph_workspace(cache, size), "NHD", use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
-        )
+        if self._split_dims:  # a prefill wrapper of queries of length 1 (see __init__); qo_indptr: 0..size
+            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._graph_workspace(cache, size), "NHD", use_cuda_graph=True, backend="fa2",
+                qo_indptr_buf=torch.arange(size + 1, **zeros), paged_kv_indptr_buf=indptr,
+                paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last,
+            )
+        else:
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._graph_workspace(cache, size), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
+            )
         graph = self._graphs[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True))
         return graph
 
@@ -299,7 +318,7 @@ class FlashInferBackend:
         kc, vc = cache.k[layer], cache.v[layer]
         heads_kv, dim = cache.num_kv_heads, cache.head_dim
         kc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        vc.view(-1, heads_kv, vc.shape[-1]).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         plan.slot.wrapper.run(q.contiguous(), (kc, vc), out=target)
         if target is not out:

@@ -111,15 +111,15 @@ class TorchBackend:
         cache = meta.cache
         extra = {"scale": scale or self.scale, "softcap": softcap}
         kc, vc = cache.k[layer], cache.v[layer]
-        heads_kv, dim = cache.num_kv_heads, cache.head_dim
+        heads_kv, dim, vdim = cache.num_kv_heads, cache.head_dim, vc.shape[-1]
         # One index_copy per tensor; pad tokens (slot 0) all land on the scratch page, harmlessly.
         kc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        vc.view(-1, heads_kv, vdim).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         if meta.is_decode:
             n = q.shape[0]
             mask = meta.mask if window is None else _windowed(meta.mask, (meta.kv_lens - 1).view(n, 1, 1, 1), window)
             o = self._attend(q.view(n, heads_kv, self.group, dim), kc, vc, meta.page_table, mask, **extra)
-            out.copy_(o.reshape(n, -1, dim))
+            out.copy_(o.reshape(n, -1, vdim))
             return
         for g in meta.plan:
             qg = q.index_select(0, g.q_index).view(g.batch, g.qmax, heads_kv, self.group, dim)
@@ -129,13 +129,14 @@ class TorchBackend:
                 shape = (g.batch, 1, self.group, g.qmax, mask.shape[-1])
                 mask = _windowed(mask.view(shape), g.qpos, window).view(mask.shape)
             o = self._attend(qg, kc, vc, g.page_table, mask, **extra)
-            o = o.view(g.batch, heads_kv, self.group, g.qmax, dim).permute(0, 3, 1, 2, 4)
-            o = o.reshape(g.batch * g.qmax, heads_kv * self.group, dim)
+            o = o.view(g.batch, heads_kv, self.group, g.qmax, vdim).permute(0, 3, 1, 2, 4)
+            o = o.reshape(g.batch * g.qmax, heads_kv * self.group, vdim)
             out.index_copy_(0, g.token_index, o.index_select(0, g.out_index))
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, page_table: torch.Tensor,
                 mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
-        """``q`` ``[B, Hkv, M, D]`` against the pages of ``page_table`` ``[B, W]``; ``mask`` ``[B, 1, M|1, L]``."""
+        """``q`` ``[B, Hkv, M, D]`` against the pages of ``page_table`` ``[B, W]``; ``mask`` ``[B, 1, M|1, L]``.
+        Returns ``[B, Hkv, M, Dv]`` (``Dv``: the value cache's width, which may differ from ``D``)."""
         batch, width = page_table.shape
         length = width * kc.shape[1]
         keys = kc[page_table].view(batch, length, kc.shape[2], kc.shape[3]).transpose(1, 2).to(q.dtype)
