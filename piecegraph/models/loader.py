@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
+from piecegraph.models.quant_formats import float_dtype, install, prepare, read_quant, vacate
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -61,7 +62,9 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.de
     """A :class:`Decoder` from the local Hugging Face directory ``path``, in eval mode.
 
     ``path`` holds ``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
-    ``dtype`` defaults to the checkpoint's own dtype. A tied checkpoint may omit ``lm_head.weight``. Raises
+    ``dtype`` defaults to the checkpoint's own dtype. A tied checkpoint may omit ``lm_head.weight``. A quantized
+    checkpoint (:mod:`piecegraph.models.quant_formats`: block-scaled FP8, compressed-tensors FP8, NVFP4) keeps its
+    FP8 weights on an sm89+ GPU (NVFP4 converted to FP8 blocks) and is dequantized elsewhere. Raises
     ``FileNotFoundError`` naming the path and the missing file, or ``ValueError`` listing missing and
     unexpected weight names or mismatched shapes.
     """
@@ -72,9 +75,12 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.de
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway; it is the embedding
     for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
         del tensors[name]  # older checkpoints saved RoPE's buffer; we derive it from the config
-    model_dtype = dtype or (next(iter(tensors.values())).dtype if tensors else torch.float32)
+    model_dtype, quant, quantized = dtype or float_dtype(tensors), read_quant(path), {}
+    if quant is not None:  # dequantized here, or set aside for the FP8 linears installed below
+        tensors, quantized = prepare(tensors, quant, device)
     with torch.device("meta"):
         model = Decoder(config)
+    vacate(model, quantized)
     expected = {name: p for name, p in model.named_parameters()}  # tied lm_head appears once, as the embedding
     missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
     if unexpected and all(n.endswith("o_proj.bias") for n in unexpected):
@@ -96,6 +102,8 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.de
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(tensors[name])
+    if quant is not None:
+        install(model, quantized, quant, device, model_dtype)
     return model.eval()
 
 
