@@ -28,18 +28,31 @@ from piecegraph.serve.request import Request, SamplingParams
 @dataclass(frozen=True)
 class Workload:
     """Random prompts and output lengths like the peers' ``random`` dataset: lengths uniform in
-    ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` (at least 1), token ids uniform, all from ``seed``."""
+    ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` (at least 1), token ids uniform, all from ``seed``.
+
+    ``prefix_len`` > 0: the shared-prefix workload (chat system prompts, few-shot examples): each prompt is one of
+    ``num_prefixes`` fixed random prefixes of ``prefix_len`` tokens (the same for every draw of ``seed``), in turn,
+    then a random suffix of the lengths above: what a prefix cache reuses."""
 
     input_len: int = 512
     output_len: int = 128
     range_ratio: float = 0.25
     seed: int = 0
+    prefix_len: int = 0
+    num_prefixes: int = 1
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError(f"Workload lengths must be >= 1, got input {self.input_len}, output {self.output_len}")
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"Workload.range_ratio={self.range_ratio!r} must be in [0, 1)")
+        if self.prefix_len < 0 or self.num_prefixes < 1:
+            raise ValueError(f"Workload.prefix_len={self.prefix_len!r} must be >= 0 and num_prefixes="
+                             f"{self.num_prefixes!r} >= 1")
+
+    @property
+    def kind(self) -> str:
+        return "shared-prefix" if self.prefix_len else "random"
 
     def bounds(self, length: int) -> tuple[int, int]:
         return max(1, math.floor(length * (1 - self.range_ratio))), math.ceil(length * (1 + self.range_ratio))
@@ -47,15 +60,18 @@ class Workload:
     @property
     def max_len(self) -> int:
         """The longest request (prompt + output) it can draw."""
-        return self.bounds(self.input_len)[1] + self.bounds(self.output_len)[1]
+        return self.prefix_len + self.bounds(self.input_len)[1] + self.bounds(self.output_len)[1]
 
     def requests(self, n: int, vocab_size: int, salt: int = 0) -> list[tuple[list[int], int]]:
-        """``n`` ``(prompt, max_new_tokens)`` pairs; ``salt`` gives other draws of the same distribution."""
+        """``n`` ``(prompt, max_new_tokens)`` pairs; ``salt`` gives other draws of the same distribution (the
+        shared prefixes stay)."""
+        shared = random.Random(self.seed * 7919 - 1)
+        prefixes = [[shared.randrange(vocab_size) for _ in range(self.prefix_len)] for _ in range(self.num_prefixes)]
         rng = random.Random(self.seed * 7919 + salt)
         out = []
-        for _ in range(n):
+        for i in range(n):
             prompt_len = rng.randint(*self.bounds(self.input_len))
-            prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
+            prompt = prefixes[i % self.num_prefixes] + [rng.randrange(vocab_size) for _ in range(prompt_len)]
             out.append((prompt, rng.randint(*self.bounds(self.output_len))))
         return out
 
@@ -102,11 +118,13 @@ def metrics(requests: Sequence[Request], seconds: float) -> dict[str, Any]:
     prompts = sum(len(r.prompt) for r in requests)
     ttft = [r.first_token - r.arrival for r in requests if r.first_token is not None]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    cached = sum(r.cached_tokens for r in requests)
     return {
         "requests": len(requests), "duration_s": seconds, "prompt_tokens": prompts, "output_tokens": outputs,
         "request_throughput": len(requests) / seconds, "output_tok_s": outputs / seconds,
         "total_tok_s": (prompts + outputs) / seconds, **_dist(ttft, "ttft"), **_dist(itl, "itl"),
         "preempted_requests": sum(r.preemptions > 0 for r in requests),
+        "cached_tokens": cached, "prefix_hit_rate": cached / prompts if prompts else 0.0,
     }
 
 
@@ -132,8 +150,11 @@ def median_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
     """One concurrency: the closed loop, its metrics, the engine's step summary (graph share, padding) and the
-    garbage collector's pauses during the loop (:class:`~piecegraph.serve.gc_pauses.GcPauses`)."""
+    garbage collector's pauses during the loop (:class:`~piecegraph.serve.gc_pauses.GcPauses`). The prefix cache
+    starts cold (what earlier runs cached is forgotten), so repeats and modes compare alike; ``cached_tokens`` and
+    ``prefix_hit_rate`` say what the run's own requests shared."""
     engine.reset_stats()
+    engine.reset_prefix_cache()
     _sync(engine)
     with GcPauses() as pauses:
         start = time.perf_counter()
@@ -148,7 +169,7 @@ def measure(engine: Engine, work: Sequence[tuple[list[int], int]], concurrency: 
             "steps_by_kind": steps["by_kind"], "ms_per_step": steps["ms_per_step"], "phase_ms": steps["phase_ms"],
             "plan_us": steps["plan_us"], "plans_per_step": steps["plans_per_step"],
             "max_plans_per_step": steps["max_plans_per_step"], "preemptions": steps["preemptions"],
-            "overlap": engine.config.overlap, **pauses.summary()}
+            "overlap": engine.config.overlap, "prefix_cache": engine.config.prefix_cache, **pauses.summary()}
 
 
 @torch.no_grad()  # not inference_mode: graphs and buffers made here are used outside it later

@@ -83,7 +83,8 @@ def serve_bench(
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto; "
                               "auto-sync (the synchronous loop), auto-freeze (on a frozen heap), "
                               "auto-shared (the full module from the shared trace), auto-pieces (that, compiled by "
-                              "pieces)"),
+                              "pieces), auto-noprefix (without the prefix cache); with --workload shared-prefix the "
+                              "default is auto,auto-noprefix"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "
                                  "(default: --rounds per client within --min-requests..--max-requests)"),
@@ -95,6 +96,13 @@ def serve_bench(
     output_len: int = typer.Option(0, min=0, help="mean output tokens, no EOS: each request runs its length (0: "
                                    "128 on GPU, 8 on CPU)"),
     range_ratio: float = typer.Option(0.25, min=0.0, max=0.99, help="lengths uniform in len*(1 -/+ ratio)"),
+    workload: str = typer.Option("random", help="random | shared-prefix: every prompt starts with one of "
+                                 "--num-prefixes common prefixes of --prefix-len tokens, then --input-len random "
+                                 "tokens (rows report the prefix cache's hit rate and TTFT)"),
+    prefix_len: int = typer.Option(0, min=0, help="shared-prefix tokens (0: 1024 on GPU, 128 on CPU)"),
+    num_prefixes: int = typer.Option(1, min=1, help="distinct shared prefixes (shared-prefix workload)"),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="the engines' prefix cache "
+                                      "(each run starts it cold)"),
     max_batched_tokens: int = typer.Option(2048, min=1, help="per-step token budget (chunked prefill above it)"),
     max_num_seqs: int = typer.Option(0, min=0, help="most running requests (0: the largest concurrency)"),
     num_pages: int = typer.Option(0, min=0, help="KV pages (0: room for every running request at full length "
@@ -141,11 +149,17 @@ def serve_bench(
     if not conc:
         raise typer.BadParameter("at least one concurrency is needed", param_hint="--concurrency")
     counts = _counts(requests, conc)
+    gpu = device == "cuda"
+    if workload not in ("random", "shared-prefix"):
+        raise typer.BadParameter(f"{workload!r} is not random or shared-prefix", param_hint="--workload")
+    shared = (prefix_len or (1024 if gpu else 128)) if workload == "shared-prefix" else 0
+    work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed,
+                    shared, num_prefixes)
+    if shared and modes == DEFAULT_MODES:
+        mode_list = ["auto", "auto-noprefix"]
     if url:  # the same closed loop over HTTP: this project's server and its peers measured by one client
         from piecegraph.serve.http_bench import run_cli
 
-        gpu = device == "cuda"
-        work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
         return run_cli(url, work, conc, counts, (rounds, min_requests, max_requests), warmup, json_path, plot_path,
                        console, repeats)
     if compiler not in ("inductor", "eager"):
@@ -155,8 +169,6 @@ def serve_bench(
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     net = shard_for_tp(load_model(model, device, dtype, quant=quant), run)
-    gpu = device == "cuda"
-    work = Workload(input_len or (512 if gpu else 32), output_len or (128 if gpu else 8), range_ratio, seed)
     max_len = min(-(-work.max_len // page_size) * page_size, net.config.max_seq_len)  # whole pages when it can
     if work.max_len > net.config.max_seq_len:
         raise typer.BadParameter(f"requests of up to {work.max_len} tokens exceed the model's max_seq_len "
@@ -164,7 +176,8 @@ def serve_bench(
     engine = EngineConfig(max_num_seqs=max_num_seqs or max(conc), max_num_batched_tokens=max_batched_tokens,
                           num_pages=num_pages or None, page_size=page_size, max_seq_len=max_len, compiler=compiler,
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
-                          auto_opaque=True)  # as the bench: a library kernel nobody adapted is wrapped in every mode
+                          auto_opaque=True,  # as the bench: a library kernel nobody adapted is wrapped in every mode
+                          prefix_cache=prefix_cache)
     plan = Plan(tuple(mode_list), tuple(conc), work, engine, counts=counts, rounds=rounds,
                 min_requests=min_requests, max_requests=max_requests, warmup=warmup, reference=reference,
                 repeats=repeats)

@@ -87,6 +87,10 @@ class EngineConfig:
             engine's piecewise and full modules. ``None`` (default): on in ``mode="auto"`` (piecegraph's auto),
             off in ``"piecewise"``, whose modules then refuse such a model naming the fix; ``True`` / ``False``:
             on / off in both.
+        prefix_cache: automatic prefix caching (default on): full KV pages of computed tokens are kept by a hash
+            chain of their tokens after their requests end, and a request whose prompt starts with cached pages
+            shares them and prefills only the rest; unreferenced cached pages are evicted least recently used
+            first when pages run short (``serve/prefix_cache.py``). Tokens are equal either way.
 
     Example: ``EngineConfig(mode="auto", max_num_seqs=64, max_num_batched_tokens=512, max_seq_len=1024)``.
     """
@@ -112,6 +116,7 @@ class EngineConfig:
     aot_background: bool = True
     graph_memory_limit: int | None = None
     auto_opaque: bool | None = None
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -134,7 +139,7 @@ class EngineConfig:
                 if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
                     raise ValueError(f"EngineConfig.{name}={sizes!r} must be a non-empty list of positive ints")
                 object.__setattr__(self, name, values)
-        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace", "aot_background"):
+        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace", "aot_background", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.full_compile not in FULL_COMPILE:

@@ -9,6 +9,11 @@ pages are freed when the stop is known (the device runs the freed pages' next ow
 that stop by length are not scheduled past their last token. ``overlap=False`` reads each step's tokens in the step
 (the synchronous loop); tokens are the same either way, greedy or seeded.
 
+Prefix caching is on by default (``EngineConfig.prefix_cache``, ``prefix_cache.py``): a prompt whose first full
+pages are cached shares them and prefills after them (``Request.cached_tokens``). A prefill chunk's full pages are
+entered when its step is launched (a later step, which the device runs after it, may read them); a decode row's
+when its request ends.
+
 Example::
 
     engine = Engine(Decoder.random(TINY), EngineConfig(mode="auto", max_num_seqs=8, max_num_batched_tokens=64,
@@ -91,7 +96,8 @@ class Engine:
         self.facts = model_facts(model)  # device, dtype, cache shape, vocabulary: read once, here
         self.cache_budget: KVBudget | None = None  # how a default cache was sized (serve/kv_budget.py)
         self.cache = cache or self._build_cache()
-        self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   prefix_cache=self.config.prefix_cache)
         self.executor = Executor(model, self.config)
         self.steps: list[StepStats] = []
         self._ids: set[Hashable] = set()  # every id accepted, for uniqueness and abort's KeyError
@@ -240,10 +246,13 @@ class Engine:
         host, ready = start_host_copy(tokens)
         launched = time.perf_counter()
         plan_s, plans = (a - b for a, b in zip(_plan_clock(self.cache.backend), plan_clock))
+        prefix = self.scheduler.prefix
         for r in batch.rows:
             r.request.num_computed += r.new
             if r.samples:
                 r.request.inflight += 1
+            if r.new > 1 and prefix is not None:  # a prefill chunk: later steps (run after this one) may share its
+                prefix.commit(r.request)  # full pages; decode rows' pages are entered when their request ends
         return InFlight(batch, inputs.sampled, {q: i for i, q in enumerate(inputs.sampled)}, tokens, host, ready,
                         kind, padded, (scheduled - start, built - scheduled, launched - built), plan_s, int(plans))
 
@@ -314,11 +323,20 @@ class Engine:
         out = summarize(self.steps)
         out.update(free_pages=self.cache.num_free_pages, num_pages=self.cache.num_pages,
                    preemptions=self.scheduler.num_preemptions, aborted=self.scheduler.num_aborted)
+        prefix = self.scheduler.prefix
+        out["prefix_cache"] = prefix.stats() if prefix is not None else None
         return out
 
     def reset_stats(self) -> None:
         self.steps = []
         self.scheduler.num_preemptions = self.scheduler.num_aborted = 0
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.reset_stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the next requests start cold; a benchmark's repeats stay comparable)."""
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.reset()
 
     def capture_report(self) -> dict[str, Any]:
         """What start captured: per module its sizes and seconds, the pool's MiB, and the whole setup seconds."""

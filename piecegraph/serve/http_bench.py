@@ -4,7 +4,8 @@ The same workload as the in-process benchmark (:class:`~piecegraph.serve.bench.W
 EOS: ``ignore_eos``, as vLLM's and SGLang's benchmark clients send), streamed: TTFT is the first event that
 carries output, ITL the gaps between token events (tokens that arrive in one event share its time, as tokens of
 one engine step do in process). Tokens are counted from ``token_ids`` in the events when the server returns them
-(``return_token_ids``: piecegraph, vLLM), else one per non-empty event, and the total from ``usage``.
+(``return_token_ids``: piecegraph, vLLM), else one per non-empty event, and the total from ``usage``; the prompt
+tokens the server's prefix cache held from ``usage.prompt_tokens_details.cached_tokens`` (0 when it says none).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class _Done:
         self.prompt, self.arrival = prompt, arrival
         self.output: Any = []
         self.token_times: list[float] = []
-        self.preemptions = 0
+        self.preemptions = self.cached_tokens = 0
 
     @property
     def first_token(self) -> float | None:
@@ -60,6 +61,7 @@ async def _one(conn: Any, model: str, prompt: list[int], max_new: int, token_ids
     if usage and usage.get("completion_tokens", 0) > count:  # a server that merges tokens per event
         count = usage["completion_tokens"]
     done.output = range(count)
+    done.cached_tokens = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return done
 
 
@@ -99,8 +101,9 @@ async def _loop(url: str, model: str, work: Sequence[tuple[list[int], int]], con
 
 
 def _shard(url: str, model: str, work: Sequence[tuple[list[int], int]], concurrency: int, token_ids: bool,
-           timeout_s: float, start_at: float) -> tuple[list[tuple[int, int, float, list[float]]], float, float]:
-    """One client process's share: its requests as ``(prompt tokens, output tokens, arrival, token times)``."""
+           timeout_s: float, start_at: float) -> tuple[list[tuple[int, int, float, list[float], int]], float, float]:
+    """One client process's share: its requests as ``(prompt tokens, output tokens, arrival, token times, cached
+    prompt tokens)``."""
     try:
         import uvloop  # the client's own overhead must not be what is measured
 
@@ -108,7 +111,7 @@ def _shard(url: str, model: str, work: Sequence[tuple[list[int], int]], concurre
     except ImportError:
         pass
     done, start, end = asyncio.run(_loop(url, model, work, concurrency, token_ids, timeout_s, start_at))
-    return [(len(d.prompt), len(d.output), d.arrival, d.token_times) for d in done], start, end
+    return [(len(d.prompt), len(d.output), d.arrival, d.token_times, d.cached_tokens) for d in done], start, end
 
 
 def client_processes(concurrency: int) -> int:
@@ -137,9 +140,9 @@ def _run_clients(url: str, model: str, work: Sequence[tuple[list[int], int]], co
         done = [row for rows, _, _ in shards for row in rows]
         start, end = min(s for _, s, _ in shards), max(e for _, _, e in shards)
     requests = []
-    for prompt_len, n, arrival, times in done:
+    for prompt_len, n, arrival, times, cached in done:
         d = _Done(range(prompt_len), arrival)
-        d.output, d.token_times = range(n), times
+        d.output, d.token_times, d.cached_tokens = range(n), times, cached
         requests.append(d)
     return requests, end - start
 

@@ -23,6 +23,7 @@ _COLUMNS = (
     ("TTFT p50", "ttft_p50_ms", "{:.1f}"), ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
     ("ITL mean", "itl_mean_ms", "{:.2f}"), ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
     ("graph steps", "graph_share", "{:.0%}"), ("pad", "padding_share", "{:.0%}"), ("preempt", "preemptions", "{}"),
+    ("prefix hit", "prefix_hit_rate", "{:.0%}"),  # prompt tokens found in the prefix cache
 )
 
 

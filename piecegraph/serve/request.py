@@ -64,6 +64,9 @@ class Request:
     ``inflight`` counts output tokens sampled on the device but not yet known to the host (the overlapped engine
     learns a step's tokens one step later): they count in :attr:`num_tokens` (their k/v are scheduled like any
     other token), not in :attr:`output` or :attr:`tokens`, which hold only what the host knows.
+
+    ``cached_tokens``: prompt tokens found in the prefix cache when it was first admitted (not computed then);
+    ``prefix_entries``: the prefix cache's entries of its full pages so far (``serve/prefix_cache.py``).
     """
 
     id: Hashable
@@ -77,6 +80,8 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     inflight: int = 0
+    cached_tokens: int = 0
+    prefix_entries: list[int] = field(default_factory=list)
 
     @classmethod
     def make(cls, id: Hashable, prompt: Sequence[int], params: SamplingParams | None = None,

@@ -12,6 +12,11 @@ flight count as tokens to compute (a decode row's input is the previous step's t
 request whose every output is sampled (:attr:`Request.fully_scheduled`) is skipped while its last tokens are in
 flight; a waiting request is admitted only once none of its tokens is in flight (a preempted request is
 prefilled again from host tokens).
+
+Prefix caching (``prefix_cache=True``, ``serve/prefix_cache.py``): a request admitted for the first time, or again
+after a preemption, starts with the cached pages of its longest cached prefix attached and its prefill after them.
+Kept (unreferenced) cached pages count as free for admission and growth; a reservation evicts them, least recently
+used first. Finished, aborted and preempted requests enter their computed full pages before their pages are freed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Hashable, NamedTuple
 
 from piecegraph.attention.kv_cache import KVCache
 from piecegraph.attention.pages import pages_for
+from piecegraph.serve.prefix_cache import PrefixCache
 from piecegraph.serve.request import Request, Status
 
 
@@ -60,10 +66,12 @@ class Batch:
 class Scheduler:
     """Queues and pages of the engine; see the module docstring. ``cache`` holds the pages (its sequences are
     the running requests' ids). ``token_budget`` bounds the tokens of a step, ``max_num_seqs`` the running
-    requests."""
+    requests. ``prefix_cache``: share cached prefix pages (:attr:`prefix`, the cache's own
+    :class:`~piecegraph.serve.prefix_cache.PrefixCache`; ``None`` when off)."""
 
-    def __init__(self, cache: KVCache, token_budget: int, max_num_seqs: int) -> None:
+    def __init__(self, cache: KVCache, token_budget: int, max_num_seqs: int, prefix_cache: bool = False) -> None:
         self.cache = cache
+        self.prefix: PrefixCache | None = PrefixCache.of(cache) if prefix_cache else None
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -92,7 +100,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status, request.inflight = Status.FINISHED, 0
-        self.cache.discard(request.id)
+        self._release(request)
 
     def abort(self, request: Request) -> None:
         """Take a waiting or running request out of its queue between steps, free its pages at once and finish
@@ -129,16 +137,34 @@ class Scheduler:
             request = self.waiting[0]
             if request.inflight:
                 break  # preempted with a token in flight: prefilled again once the host knows it (next step)
-            new = min(request.pending, budget)
-            if self._pages_needed(request.id, request.num_computed + new) > self.cache.num_free_pages:
+            if not self._admit(request, budget):
                 break
             self.waiting.popleft()
-            self.cache.reserve([(request.id, request.num_computed + new)])
             request.status = Status.RUNNING
             self.running.append(request)
+            new = min(request.pending, budget)
             batch.rows.append(Row(request, request.num_computed, new))
             budget -= new
         return batch
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        """Give a waiting request (no pages, nothing computed) its cached prefix and the pages of its first
+        chunk; False, changing nothing, when the free pages (kept cached ones included) are too few."""
+        prefix, ps = self.prefix, self.cache.page_size
+        shared, entries = prefix.lookup(request) if prefix is not None else ([], [])
+        start = len(shared) * ps
+        total = start + min(request.num_tokens - start, budget)
+        taken = prefix.kept_among(shared) if shared else 0  # attached, they no longer count as free
+        if pages_for(total, ps) - len(shared) + taken > self.cache.num_free_pages:
+            return False
+        if prefix is not None:
+            prefix.attach(request, shared, entries)
+            if not request.preemptions:
+                request.cached_tokens = start
+                prefix.count(len(request.prompt), start)
+        request.num_computed = start
+        self.cache.reserve([(request.id, total)])
+        return True
 
     def _grow(self, request: Request, total: int, batch: Batch) -> bool:
         """Reserve pages for ``total`` tokens of ``request``, preempting the newest running requests as needed;
@@ -158,12 +184,19 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free ``request``'s pages and queue it first in line, to be prefilled again (prompt + outputs)."""
         self.running.remove(request)
-        self.cache.discard(request.id)
+        self._release(request)
         request.num_computed = 0
         request.preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def _release(self, request: Request) -> None:
+        """Free ``request``'s pages, its computed full pages entered in the prefix cache first."""
+        if self.prefix is not None and self.cache.num_pages_held(request.id):
+            self.prefix.commit(request)
+        request.prefix_entries = []
+        self.cache.discard(request.id)
 
     def _pages_needed(self, seq: Hashable, total: int) -> int:
         return max(0, pages_for(total, self.cache.page_size) - self.cache.num_pages_held(seq))

@@ -7,7 +7,8 @@ an engine mode (overlapped steps, the engine's default), ``auto-sync``: ``auto``
 frozen heap (``EngineConfig.freeze_gc=True``), ``auto-shared``: ``auto`` whose full module builds from the
 piecewise module's trace and compiles it whole (``share_trace=True``, ``full_compile="whole"``: what the defaults
 do without a cache), or ``auto-pieces``: that, compiled by pieces (``full_compile="pieces"``: what the defaults do
-on a cold start with a cache, until the whole graph's package is swapped in).
+on a cold start with a cache, until the whole graph's package is swapped in), or ``auto-noprefix``: ``auto``
+without its prefix cache (``prefix_cache=False``: the shared-prefix workload's row without the cache).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SYNC_SUFFIX = "-sync"
 # by pieces)
 VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-freeze": {"freeze_gc": True},
             "-shared": {"share_trace": True, "full_compile": "whole"},
-            "-pieces": {"share_trace": True, "full_compile": "pieces"}}
+            "-pieces": {"share_trace": True, "full_compile": "pieces"}, "-noprefix": {"prefix_cache": False}}
 BENCH_MODES = (*ENGINE_MODES, *("auto" + suffix for suffix in VARIANTS))
 
 

@@ -23,7 +23,7 @@ from piecegraph.server.loop import Closed, EngineLoop, Event, QueueFull, Ticket
 from piecegraph.server.metrics import Metrics
 from piecegraph.server.protocol import APIError, ChatRequest, CompletionRequest, parse
 from piecegraph.server.sampling import build_params
-from piecegraph.server.sse import RAW_RECEIVE, RAW_SEND, ChunkFormat, Pieces, SSEResponse
+from piecegraph.server.sse import RAW_RECEIVE, RAW_SEND, ChunkFormat, Pieces, SSEResponse, usage_of
 from piecegraph.server.stream import TextStream
 from piecegraph.server.tokenizer import NoChatTemplate, Tokenizer
 
@@ -214,6 +214,6 @@ async def _collect(pieces: Pieces, head: dict[str, Any], chat: bool, return_ids:
     if return_ids:
         choice["token_ids"] = ids
         choice["prompt_token_ids"] = prompt
-    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+    usage = usage_of(len(prompt), len(ids), pieces.ticket.cached_tokens)
     kind = "chat.completion" if chat else "text_completion"
     return {**head, "object": kind, "choices": [choice], "usage": usage}

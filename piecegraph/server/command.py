@@ -72,6 +72,9 @@ def serve(
     share_trace: bool = typer.Option(True, "--share-trace/--no-share-trace", help="auto's decode module builds "
                                      "from the piecewise module's Dynamo trace instead of tracing again (compiled "
                                      "by pieces, it takes its compiled pieces too): a faster start"),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="share the KV pages of "
+                                      "cached prompt prefixes between requests (usage.prompt_tokens_details."
+                                      "cached_tokens says how many tokens a request found cached)"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -107,6 +110,7 @@ def serve(
     if name not in PRESETS and not Path(name).is_dir():
         raise typer.BadParameter(f"{name!r} is not one of {', '.join(PRESETS)} or a local directory",
                                  param_hint="MODEL")
+    quant = checkpoint_note(name, device, dtype, hf)  # read before the engine's minutes: a bad config fails now
     chosen = mode is None and not gpu
     mode = mode or ("auto" if gpu else "eager")
     config = EngineConfig(mode=mode, max_num_seqs=max_num_seqs or (256 if gpu else 32),
@@ -115,7 +119,7 @@ def serve(
                           compiler=compiler or ("inductor" if gpu else "eager"),
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
                           cache_dir=cache, full_compile=full_compile,
-                          share_trace=share_trace)  # cache True: the default folder
+                          share_trace=share_trace, prefix_cache=prefix_cache)  # cache True: the default folder
     if chosen:
         kv = "" if num_pages else (", KV cache sized to a quarter of the available memory, at most 4 GiB "
                                    "(--num-pages overrides)")
@@ -148,7 +152,7 @@ def serve(
                             max_pending=max_pending or None, drain_s=drain)
         setup_s = engine.setup_s
     console.print(f"[bold]piecegraph serve[/]: {served} on {device} ({str(dtype).removeprefix('torch.')}, "
-                  f"{backend} attention, {state.tokenizer.name} tokenizer), engine mode {mode} "
+                  f"{backend} attention, {state.tokenizer.name} tokenizer{quant}), engine mode {mode} "
                   f"({'own process' if engine_process else 'a thread'}), up to {config.max_num_seqs} running / "
                   f"{state.loop.max_pending} admitted requests of up to {state.max_seq_len} tokens; engine ready in "
                   f"{setup_s:.1f} s")
@@ -191,6 +195,25 @@ def gguf_to_folder(name: str) -> str:
     console.print(f"serving the GGUF file {name} from the Hugging Face folder {folder} ("
                   f"{'converted now' if converted else 'converted earlier'})")
     return str(folder)
+
+
+def checkpoint_note(name: str, device: str, dtype: torch.dtype, hf: bool) -> str:
+    """``", checkpoint fp8 (block 128x128) -> running float32 (dequantized on cpu)"``: the banner's words for a
+    quantized checkpoint directory ``name`` (:mod:`piecegraph.models.quant_formats`), ``""`` for a plain one or a
+    preset. A quantization piecegraph cannot read is a ``typer.BadParameter`` naming MODEL."""
+    from piecegraph.cli_common import _needs_transformers
+    from piecegraph.models.mla_loader import is_mla_folder
+    from piecegraph.models.quant_formats import UnsupportedQuantization, engine_form, read_quant, running_note
+
+    try:
+        quant = read_quant(name) if Path(name).is_dir() else None
+    except UnsupportedQuantization as err:
+        raise typer.BadParameter(str(err), param_hint="MODEL") from None
+    if quant is None:
+        return ""
+    if is_mla_folder(name):  # the MLA decoder dequantizes at load, on every device (models/mla_loader.py)
+        return ", " + running_note(quant, "dequantized: the MLA decoder runs float weights", dtype)
+    return ", " + running_note(quant, engine_form(quant, device, hf or _needs_transformers(name)), dtype)
 
 
 def cpu_split(spec: str, engine_process: bool) -> tuple[frozenset[int], frozenset[int]] | None:

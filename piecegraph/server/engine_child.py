@@ -170,9 +170,11 @@ class EventRouter:
             self._to(k, ("events", parts.get(k, []), snapshot, counters))
             self.told[k], counters = snapshot, []
 
-    def step(self, requests: list[Any], tokens: list[int], finished: list[Any]) -> None:
+    def step(self, requests: list[Any], tokens: list[int], finished: list[Any], cached: dict | None = None) -> None:
         """A step's tokens (``requests[i]`` got ``tokens[i]``; ``finished``: those that finished, with their
-        reasons) as ONE pickle written to every front end; each takes the ids it holds and skips the rest. Routing
+        reasons; ``cached``: prompt tokens the prefix cache held, of requests whose first token this is, appended
+        to the message only when there are any) as ONE pickle written to every front end; each takes the ids it
+        holds and skips the rest. Routing
         per row in this process cost more than every front end reading every row (the engine is host-bound; the
         front ends run beside it). The counters ride along, marked for the lowest live front end to add."""
         ids = [r.id for r in requests]
@@ -182,7 +184,8 @@ class EventRouter:
         cache = self.cache
         snapshot = {"used": cache.num_pages - 1 - cache.num_free_pages, "total": cache.num_pages - 1}
         counters, counted_by = self.counters.take(), min(self.conns, default=-1)
-        payload = ForkingPickler.dumps(("tokens", ids, tokens, done, snapshot, counters, counted_by))
+        message = ("tokens", ids, tokens, done, snapshot, counters, counted_by)
+        payload = ForkingPickler.dumps((*message, cached) if cached else message)
         for k in list(self.conns):
             self.told[k] = snapshot
             try:
@@ -234,8 +237,8 @@ def engine_main(factory: Callable[[], Any], channels: list[tuple[Any, Any]], thr
     def sink(batch: list[tuple[Ticket, Event]]) -> None:
         router.send([(t.id, e.ids, e.finish_reason, e.error, e.refused) for t, e in batch])
 
-    def step_sink(requests: list[Any], tokens: list[int], finished: list[Any], at: float) -> None:
-        router.step(requests, tokens, finished)  # the front ends stamp their own time
+    def step_sink(requests: list[Any], tokens: list[int], finished: list[Any], at: float, cached: dict) -> None:
+        router.step(requests, tokens, finished, cached)  # the front ends stamp their own time
 
     loop = inbox.loop = EngineLoop(engine, max_pending=1 << 30, metrics=counters, sink=sink, inbox=inbox,
                                    step_sink=step_sink)  # the front ends admit

@@ -63,6 +63,7 @@ class Ticket:
     request: Request | None = None  # the engine's request (engine thread only)
     sent: int = 0  # output ids received (front end of an engine process only)
     done: bool = False
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held, set before the first token's event
 
 
 class EngineLoop:
@@ -71,15 +72,18 @@ class EngineLoop:
     loop writes steps and KV pages to. Use :meth:`start`, :meth:`submit`/:meth:`abort` from an asyncio loop, and
     :meth:`close` (finish what is running for up to ``drain_s``, abort the rest, log which). ``sink``: where
     each iteration's ``(ticket, event)`` pairs go (default: the tickets' asyncio queues). ``step_sink``: where a
-    step's new tokens go instead, called as ``step_sink(requests, tokens, finished, at)`` with the engine's
+    step's new tokens go instead, called as ``step_sink(requests, tokens, finished, at, cached)`` with the engine's
     :attr:`~piecegraph.serve.Engine.emitted` lists, the requests that finished in the step (each also in
-    ``requests``, with its last token) and the publish time (default: made into events for ``sink``); the engine
+    ``requests``, with its last token), the publish time and ``{request id: cached prompt tokens}`` of the
+    requests whose first token this is (empty without a prefix cache), set on their tickets before their first
+    event (default: made into events for ``sink``); the engine
     process sends the lists on as they are, since building an :class:`Event` per token cost ~1 of the ~3 us per
     token its loop spent publishing (3 ms per step at 1024)."""
 
     def __init__(self, engine: Engine, *, max_pending: int, metrics: Any = None, name: str = "engine-loop",
                  sink: Callable[[list[tuple[Ticket, Event]]], None] | None = None, inbox: Any = None,
-                 step_sink: Callable[[list[Request], list[int], list[Request], float], None] | None = None) -> None:
+                 step_sink: Callable[[list[Request], list[int], list[Request], float, dict], None] | None = None
+                 ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending!r} must be >= 1")
         self.engine, self.max_pending, self.metrics = engine, max_pending, metrics
@@ -99,6 +103,7 @@ class EngineLoop:
         self.finished_at_close: list[str] = []
         self.aborted_at_close: list[str] = []
         self._steps_seen = 0
+        self._prefix_cache = getattr(getattr(engine, "scheduler", None), "prefix", None) is not None
         # OpenMP's thread count is per thread: a new thread would get the default (every core) and spin against
         # the HTTP threads. The engine thread uses what its creator set (torch.set_num_threads, OMP_NUM_THREADS).
         self._torch_threads = torch.get_num_threads()
@@ -277,11 +282,14 @@ class EngineLoop:
         requests, tokens = self.engine.emitted
         if requests:
             first = [r for r in requests if len(r.output) == 1]
+            cached = {}
             if first:
                 self._started_ids += len(first)
                 for request in first:
                     self._first_token(request)
-            self._step_sink(requests, tokens, finished, time.perf_counter())
+                if self._prefix_cache:
+                    cached = {r.id: r.cached_tokens for r in first}
+            self._step_sink(requests, tokens, finished, time.perf_counter(), cached)
         for request in finished:
             ticket = self._live.pop(request.id, None)
             if ticket is None:
@@ -300,8 +308,13 @@ class EngineLoop:
                              request.first_token - request.arrival)
             self.metrics.inc("piecegraph_engine_first_tokens_total")
 
-    def _as_events(self, requests: list[Request], tokens: list[int], finished: list[Request], at: float) -> None:
+    def _as_events(self, requests: list[Request], tokens: list[int], finished: list[Request], at: float,
+                   cached: dict) -> None:
         live, events = self._live, []
+        for rid, n in cached.items():  # set before the first event is posted: the handler reads it after that
+            ticket = live.get(rid)
+            if ticket is not None:
+                ticket.cached_tokens = n
         for request, token in zip(requests, tokens):
             ticket = live.get(request.id)
             if ticket is not None:

@@ -17,6 +17,8 @@ SERIES = {
     "piecegraph_requests_total": ("counter", "Finished generations by finish reason (stop, length, abort)."),
     "piecegraph_request_errors_total": ("counter", "Refused or failed requests by HTTP status."),
     "piecegraph_prompt_tokens_total": ("counter", "Prompt tokens of accepted requests."),
+    "piecegraph_prompt_cached_tokens_total": ("counter", "Prompt tokens of finished requests that the prefix "
+                                              "cache held (not computed again)."),
     "piecegraph_generation_tokens_total": ("counter", "Output tokens sent to clients."),
     "piecegraph_time_to_first_token_seconds": ("histogram", "Request arrival to its first output token."),
     "piecegraph_inter_token_latency_seconds": ("histogram", "Gap between consecutive token events of a request, "

@@ -206,8 +206,12 @@ class ProcessEngineLoop:
             self._eof = True
             return
         if message[0] == "tokens":  # a step's tokens, every front end's (EventRouter.step)
-            _, ids, tokens, done, self._snapshot, counters, counted_by = message
+            _, ids, tokens, done, self._snapshot, counters, counted_by, *cached = message
             tickets = self._tickets
+            for rid, n in (cached[0].items() if cached else ()):  # before the first token's event is queued
+                ticket = tickets.get(rid)
+                if ticket is not None:
+                    ticket.cached_tokens = n
             self._dispatch([(rid, [token], done.get(rid), None, False)
                             for rid, token in zip(ids, tokens) if rid in tickets])
             if self.metrics is not None and counted_by == self.index:

@@ -85,6 +85,8 @@ class Pieces:
             self.finished = True
             metrics.inc("piecegraph_requests_total", finish_reason=reason)
             metrics.inc("piecegraph_generation_tokens_total", len(text.ids))
+            if self.ticket.cached_tokens:
+                metrics.inc("piecegraph_prompt_cached_tokens_total", self.ticket.cached_tokens)
             metrics.observe("piecegraph_request_latency_seconds", now - self.arrival)
         return Piece(delta, kept, reason)
 
@@ -119,9 +121,19 @@ class ChunkFormat:
         parts.append("}]}\n\n")
         return "".join(parts)
 
-    def usage(self, prompt_len: int, completion: int) -> str:
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+    def usage(self, prompt_len: int, completion: int, cached: int | None = None) -> str:
+        usage = usage_of(prompt_len, completion, cached)
         return f"data: {json.dumps({**self.head, 'object': self.kind, 'choices': [], 'usage': usage})}\n\n"
+
+
+def usage_of(prompt_len: int, completion: int, cached: int | None) -> dict:
+    """OpenAI's ``usage``: token counts and, from an engine with a prefix cache (``cached`` not ``None``),
+    ``prompt_tokens_details.cached_tokens``, the prompt tokens it held (not computed again)."""
+    usage: dict = {"prompt_tokens": prompt_len, "completion_tokens": completion,
+                   "total_tokens": prompt_len + completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 class SSEResponse(Response):
@@ -163,7 +175,7 @@ class SSEResponse(Response):
                     await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": True})
                     out.clear()
             if self.include_usage:
-                out.append(fmt.usage(self.prompt_len, completion))
+                out.append(fmt.usage(self.prompt_len, completion, pieces.ticket.cached_tokens))
             out.append("data: [DONE]\n\n")
             await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": False})
         except Exception:  # noqa: BLE001  (see the constraint above)
