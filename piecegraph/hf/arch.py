@@ -9,6 +9,8 @@ Everything here reads attributes only; nothing imports transformers.
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 from piecegraph.models.config import ModelConfig
@@ -66,6 +68,10 @@ def check_supported(config: Any, experts_impl: str | None = None) -> None:
         if getattr(config, field, None):
             raise UnsupportedModelError(f"model_type {name!r}: config.{field} is set ({what}); piecegraph's "
                                         "attention is causal paged attention only")
+    if _alibi_field(config):
+        raise UnsupportedModelError(f"model_type {name!r}: its config enables ALiBi (attention scores biased by "
+                                    "head-wise slopes times distance, added to the attention mask); piecegraph's "
+                                    "paged attention has no additive bias and does not implement ALiBi")
     if experts_impl == "eager":
         raise UnsupportedModelError(
             f"model_type {name!r}: its experts run with experts_implementation='eager', a Python loop over the "
@@ -73,6 +79,16 @@ def check_supported(config: Any, experts_impl: str | None = None) -> None:
             "experts_implementation='batched_mm' (or 'grouped_mm'), e.g. "
             "AutoModelForCausalLM.from_pretrained(path, experts_implementation='batched_mm')."
         )
+
+
+def _alibi_field(config: Any) -> bool | None:
+    """The config's ALiBi switch (``config.alibi``, Falcon; ``config.attn_config.alibi``, MPT), or ``None`` when
+    it has none."""
+    for holder in (config, getattr(config, "attn_config", None)):
+        value = getattr(holder, "alibi", None) if holder is not None else None
+        if value is not None:
+            return bool(value)
+    return None
 
 
 def _text_config(config: Any) -> Any:
@@ -84,42 +100,113 @@ def _text_config(config: Any) -> Any:
 def check_structure(model: Any) -> None:
     """Raise :class:`UnsupportedModelError` (``TypeError`` for a base model without an output head) when
     ``model`` is not built the way piecegraph's flat forward relies on: a causal LM with a base model
-    (``model.model``) whose decoder layers are one ``torch.nn.ModuleList`` of ``num_hidden_layers`` layers
-    and an output head (``lm_head``). Whether
+    (:func:`base_model`: ``model.model``, or the module its ``base_model_prefix`` names, e.g. GPT-2's
+    ``transformer``) holding its decoder layers as one ``torch.nn.ModuleList`` of ``num_hidden_layers`` layers,
+    each with a self-attention module (:func:`layer_attention`) wherever the list sits (``model.layers``,
+    ``transformer.h``, ``model.decoder.layers``...), and an output head (:func:`output_head`). Whether
     each layer's attention goes through transformers' attention interface (by its config's
     ``_attn_implementation``) exactly once, and the whole computes what the model computes, is the run-time
     evidence of :func:`piecegraph.hf.probe.verify` (transformers' own class flag,
     ``_supports_attention_backend``, is not used: it also marks models whose layers reach the interface but
     drop its keyword arguments, which piecegraph runs)."""
     name = model_type(model.config)
-    if not hasattr(model, "lm_head") and getattr(model, "get_output_embeddings", lambda: None)() is None:
-        raise TypeError(f"{type(model).__name__} ({name!r}) is not a *ForCausalLM with .model and .lm_head: pass "
-                        "the causal LM (AutoModelForCausalLM), not its base model")
-    if getattr(model, "model", None) is None or not hasattr(model, "lm_head"):
-        where = ("its output head is not model.lm_head" if getattr(model, "model", None) is not None else
-                 f"its base model is model.{getattr(model, 'base_model_prefix', '') or '?'}, not model.model")
-        raise UnsupportedModelError(f"model_type {name!r}: {type(model).__name__} is laid out otherwise ({where}); "
-                                    "piecegraph.hf runs causal LMs laid out as model.model (decoder layers at "
-                                    "model.model.layers) and model.lm_head")
+    base = base_model(model)
+    if base is None:
+        if getattr(model, "get_output_embeddings", lambda: None)() is None and not hasattr(model, "lm_head"):
+            raise TypeError(f"{type(model).__name__} ({name!r}) is not a *ForCausalLM with a base model and an "
+                            "output head: pass the causal LM (AutoModelForCausalLM), not its base model")
+        raise UnsupportedModelError(f"model_type {name!r}: {type(model).__name__} has no base model (neither "
+                                    "model.model nor the module its base_model_prefix names)")
+    if not output_head_names(model):
+        raise UnsupportedModelError(f"model_type {name!r}: {type(model).__name__} has no output head piecegraph "
+                                    "can call apart from its base model (model.lm_head, or the child module "
+                                    "holding get_output_embeddings())")
     layers = decoder_layers(model)
     if not layers:
-        raise UnsupportedModelError(f"model_type {name!r}: its base model {type(model.model).__name__} has no "
-                                    f"list of {model.config.num_hidden_layers} decoder layers (model.model.layers)")
-    plain = [i for i, layer in enumerate(layers) if getattr(layer, "self_attn", None) is None]
+        raise UnsupportedModelError(f"model_type {name!r}: its base model {type(base).__name__} has no list of "
+                                    f"{model.config.num_hidden_layers} decoder layers (a torch.nn.ModuleList of "
+                                    "num_hidden_layers modules)")
+    plain = [i for i, layer in enumerate(layers) if layer_attention(layer) is None]
+    if plain and _alibi_field(model.config) is None and hasattr(sys.modules.get(type(base).__module__),
+                                                                 "build_alibi_tensor"):
+        raise UnsupportedModelError(f"model_type {name!r}: its attention adds ALiBi biases (its modeling code "
+                                    "builds them: build_alibi_tensor) in attention computed in the modeling code; "
+                                    "piecegraph's paged attention has no additive bias and does not implement "
+                                    "ALiBi")
     if plain:
-        raise UnsupportedModelError(f"model_type {name!r}: decoder layers {plain} ({type(layers[plain[0]]).__name__}) "
-                                    "have no self_attn attention module (a recurrent, convolutional or otherwise "
-                                    "organised layer)")
+        raise UnsupportedModelError(
+            f"model_type {name!r}: decoder layers {plain} ({type(layers[plain[0]]).__name__}) hold no causal "
+            "attention module of transformers' kind (with is_causal, scaling and a config: the modules that call "
+            "transformers' attention interface); a recurrent, convolutional, ALiBi-biased or hand-written "
+            "attention layer, which piecegraph's paged attention does not run")
+
+
+def base_model_name(model: Any) -> str | None:
+    """The attribute of a causal LM holding its base model: ``"model"``, else its ``base_model_prefix``
+    (``"transformer"``, ``"gpt_neox"``, ``"bert"``...); ``None`` when there is none."""
+    for name in ("model", getattr(model, "base_model_prefix", None)):
+        base = getattr(model, name, None) if isinstance(name, str) and name else None
+        if base is not None and base is not model and callable(base) and hasattr(base, "modules"):
+            return name
+    return None
+
+
+def base_model(model: Any) -> Any:
+    """The base model of a causal LM (:func:`base_model_name`), or ``None``."""
+    name = base_model_name(model)
+    return getattr(model, name) if name else None
+
+
+def output_head_names(model: Any) -> tuple[str, ...]:
+    """The attributes of a causal LM holding the modules that turn the base model's hidden states into logits,
+    applied in this order: the child (not the base model) that holds ``model.get_output_embeddings()``
+    (``lm_head``; BERT's ``cls``: its transform and decoder; BioGPT's ``output_projection``), after the other
+    children with weights registered before it (ELECTRA's ``generator_predictions``, then ``generator_lm_head``;
+    ModernBERT's ``lm_head``, then ``decoder``); ``("lm_head",)`` when the model names no output embeddings;
+    ``()`` when there is none. The numeric self-check confirms the guess."""
+    out = getattr(model, "get_output_embeddings", lambda: None)()
+    base = base_model(model)
+    if out is None:
+        return ("lm_head",) if getattr(model, "lm_head", None) is not None else ()
+    names = []
+    for name, child in model.named_children():
+        if child is base or next(child.parameters(), None) is None:
+            continue
+        names.append(name)
+        if any(m is out for m in child.modules()):
+            return tuple(names)
+    return ()
+
+
+def _is_attention(module: Any) -> bool:
+    """A module of transformers' attention kind (as :func:`piecegraph.hf.attention.attention_modules` finds)."""
+    return hasattr(module, "is_causal") and hasattr(module, "scaling") and getattr(module, "config", None) is not None
+
+
+def layer_attention(layer: Any) -> Any:
+    """A decoder layer's self-attention module: its ``self_attn``, else the first causal module of transformers'
+    attention kind inside it (``attn``, ``attention``, BERT's ``attention.self``; cross-attention, not causal, is
+    passed over); ``None`` when it has none."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is not None:
+        return attn
+    return next((m for m in layer.modules() if _is_attention(m) and m.is_causal is not False), None)
 
 
 def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers of a causal LM (``model.model.layers``), or ``[]`` when it has no such list of
-    ``config.num_hidden_layers`` modules."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The decoder layers of a causal LM: the ``torch.nn.ModuleList`` of ``config.num_hidden_layers`` modules in
+    its base model (``model.model.layers`` first), preferring one whose layers hold attention modules; ``[]``
+    when it has none."""
+    base = base_model(model)
     expected = getattr(model.config, "num_hidden_layers", None)
-    if layers is None or not hasattr(layers, "__len__") or (expected is not None and len(layers) != expected):
+    if base is None or expected is None:
         return []
-    return list(layers)
+    first = getattr(base, "layers", None)
+    lists = ([first] if first is not None and hasattr(first, "__len__") else []) + [
+        m for m in base.modules() if type(m).__name__ == "ModuleList" and m is not first]
+    lists = [list(m) for m in lists if len(m) == expected]
+    with_attention = [layers for layers in lists if all(layer_attention(layer) is not None for layer in layers)]
+    return (with_attention or lists or [[]])[0]
 
 
 def head_dim(config: Any) -> int:
@@ -127,25 +214,50 @@ def head_dim(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
+def head_dims(config: Any) -> tuple[int, int]:
+    """``(query/key, value)`` head dims of the attention a Hugging Face model computes: ``qk_nope_head_dim +
+    qk_rope_head_dim`` and ``v_head_dim`` where the config has them (multi-head latent attention run expanded,
+    DeepSeek-V2/V3 and GLM-5, whose ``head_dim`` names the rotary part only), else :func:`head_dim` for both."""
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    qk = int(nope + rope) if nope and rope else head_dim(config)
+    return qk, int(getattr(config, "v_head_dim", None) or qk)
+
+
+@dataclass(frozen=True)
+class HFCacheShape(ModelConfig):
+    """A :class:`ModelConfig` whose cached values have their own width, ``v_head_dim`` (a Hugging Face model whose
+    value heads differ from its query/key heads); :func:`cache_config` returns one only then."""
+
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.v_head_dim, int) or isinstance(self.v_head_dim, bool) or self.v_head_dim <= 0:
+            raise ValueError(f"HFCacheShape.v_head_dim must be a positive int, got {self.v_head_dim!r}")
+
+
 def cache_config(config: Any, max_seq_len: int | None = None, attention_backend: str = "auto") -> ModelConfig:
     """The :class:`ModelConfig` a :class:`~piecegraph.attention.KVCache` (and ``generate``, the bench) needs.
 
     Only its cache shape is real: layers, kv heads (GQA: ``num_key_value_heads``, default the query heads),
-    ``head_dim``, vocabulary and hidden size. Norm epsilon, RoPE theta and biases stay with the Hugging Face
+    ``head_dim`` (and, where values are of another width, ``v_head_dim``: an :class:`HFCacheShape`; see
+    :func:`head_dims`), vocabulary and hidden size. Norm epsilon, RoPE theta and biases stay with the Hugging Face
     model, which computes them itself (RoPE scaling included). ``max_seq_len`` defaults to
     ``max_position_embeddings`` capped at :data:`MAX_DEFAULT_CACHE_LEN`.
     """
     heads = config.num_attention_heads
     longest = max_seq_len or min(int(getattr(config, "max_position_embeddings", 2048) or 2048),
                                  MAX_DEFAULT_CACHE_LEN)
-    return ModelConfig(
+    qk, v = head_dims(config)
+    shape = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=int(getattr(config, "intermediate_size", None) or config.hidden_size),
         num_layers=config.num_hidden_layers, num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim(config),
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=qk,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), max_seq_len=longest,
         attention_backend=attention_backend,
     )
+    return ModelConfig(**shape) if v == qk else HFCacheShape(**shape, v_head_dim=v)
 
 
 def layer_constants(model: Any) -> list[dict[str, Any]]:
@@ -156,8 +268,8 @@ def layer_constants(model: Any) -> list[dict[str, Any]]:
     the model passes at run time.
     """
     out = []
-    for layer in model.model.layers:
-        attn = layer.self_attn
+    for layer in decoder_layers(model):
+        attn = layer_attention(layer)
         window = getattr(attn, "sliding_window", None)
         if window is None and model_type(model.config) in ("mistral", "mixtral"):
             window = getattr(model.config, "sliding_window", None)  # they pass the config's to attention

@@ -1,7 +1,8 @@
 """``HFDecoder``: an unmodified Hugging Face ``*ForCausalLM`` as a flat-token decoder piecegraph can graph.
 
-The wrapper owns no weights: it calls the model's own base model (``model.model``) with explicit positions,
-``use_cache=False`` and ``return_dict=False``, and its own ``lm_head`` separately. Attention goes through the
+The wrapper owns no weights: it calls the model's own base model (``model.model``, or the module its
+``base_model_prefix`` names: GPT-2's ``transformer``...) with explicit positions, ``use_cache=False`` and
+``return_dict=False``, and its own output head (``lm_head``, or the like) separately. Attention goes through the
 split op (see ``piecegraph.hf.attention``), so the graph splits into ``num_layers + 1`` pieces.
 
 Wrapping changes exactly this on the model, and :func:`unwrap` (``HFDecoder.unwrap()``, the end of a ``with``
@@ -18,17 +19,28 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 import piecegraph.hf.attention as hf_attention
 import piecegraph.hf.probe as probe
-from piecegraph.hf.arch import cache_config, check_structure, check_supported, layer_constants, model_type
+from piecegraph.hf.arch import (
+    base_model_name,
+    cache_config,
+    check_structure,
+    check_supported,
+    layer_constants,
+    model_type,
+    output_head_names,
+)
 from piecegraph.hf.attention import FLAT, is_view
 from piecegraph.models.facts import ModelFacts, measure
 
 _STATE = "_piecegraph_hf"  # the attribute of a wrapped Hugging Face model holding its _Wrap
+# (applies(model), subclass): HFDecoder(model) builds the first subclass that applies instead. piecegraph.hf.mla
+# registers MLAHFDecoder for deepseek_v2/v3 and glm_moe_dsa (importing any piecegraph.hf module imports it).
+SUBSTITUTES: list[tuple[Callable[[Any], bool], type]] = []
 
 
 def is_hf_model(model: Any) -> bool:
@@ -111,7 +123,9 @@ class HFDecoder(torch.nn.Module):
     :attr:`config` (``KVCache.for_sequences(wrapped.config, ...)``). ``config`` is a
     :class:`~piecegraph.models.ModelConfig` of the cache shape (what ``piecegraph.models.generate``, ``KVCache``
     and the bench read); the model's own config is ``hf_config``. :meth:`logits` applies ``lm_head`` (and a final
-    logit softcap, Gemma 2) to the rows given, usually each sequence's last token.
+    logit softcap, Gemma 2) to the rows given, usually each sequence's last token. ``HFDecoder(model)`` of a
+    multi-head latent attention model (``deepseek_v2``, ``deepseek_v3``, ``glm_moe_dsa``) returns a
+    :class:`~piecegraph.hf.mla.MLAHFDecoder` instead: the engine's MLA decoder on the model's own tensors.
 
     While wrapped, the model's own forward, ``generate`` and ``generate_batch`` (continuous batching) run as they
     did: its config is unchanged, and its attention modules' ``"piecegraph"`` function calls whatever
@@ -135,6 +149,13 @@ class HFDecoder(torch.nn.Module):
     # Bookkeeping the forward never reads: a cached trace's attribute check (trace/snapshot.py) skips it
     piecegraph_not_traced = ("owns_wrap",)
 
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> "HFDecoder":
+        # A model a subclass registered for (SUBSTITUTES) gets that subclass: an MLA model's own attention expands
+        # the latent per head and GLM-5's indexer keeps a cache of its own, neither of which the attention op runs
+        if cls is HFDecoder and model is not None:
+            cls = next((sub for applies, sub in SUBSTITUTES if applies(model)), cls)
+        return super().__new__(cls)
+
     def __init__(self, model: torch.nn.Module, max_seq_len: int | None = None,
                  attention_backend: str = "auto", verify: bool | None = None) -> None:
         super().__init__()
@@ -152,6 +173,9 @@ class HFDecoder(torch.nn.Module):
         self._wrap = state
         self.hf = model
         self.hf_config = model.config
+        # attribute names, not modules (a module attribute would register the model's modules twice):
+        self.base_name = base_model_name(model)  # "model", or GPT-2's "transformer", GPT-NeoX's "gpt_neox"...
+        self.head_names = output_head_names(model)  # ("lm_head",), or BERT's ("cls",)...
         self.config = cache_config(model.config, max_seq_len, attention_backend)
         self.constants = layer_constants(model)
         self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -171,8 +195,9 @@ class HFDecoder(torch.nn.Module):
 
     @property
     def model(self) -> torch.nn.Module:
-        """The base model (``hf.model``: embeddings, layers, final norm), as the reference decoder's ``.model``."""
-        return self.hf.model
+        """The base model (``hf.model``, or the module ``base_model_prefix`` names: embeddings, layers, final norm),
+        as the reference decoder's ``.model``."""
+        return getattr(self.hf, self.base_name)
 
     @property
     def model_type(self) -> str:
@@ -242,14 +267,17 @@ class HFDecoder(torch.nn.Module):
         # A 4D mask makes Hugging Face's mask builders return it as is: no [T, T] mask is built (attention is
         # paged and causal in the op, which ignores it).
         no_mask = hf_attention.placeholder_mask(input_ids.device)
-        out = self.hf.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=no_mask,
-                            use_cache=False, return_dict=False, **{FLAT: True})
+        base = getattr(self.hf, self.base_name)
+        out = base(input_ids=input_ids[None], position_ids=positions[None], attention_mask=no_mask,
+                   use_cache=False, return_dict=False, **{FLAT: True})
         return out[0][0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden_size] -> [T, vocab_size]``, as the Hugging Face model computes them (``lm_head``, its
-        logit scale, a final logit softcap)."""
-        logits = self.hf.lm_head(hidden)
+        """``[T, hidden_size] -> [T, vocab_size]``, as the Hugging Face model computes them (its output head,
+        ``lm_head`` or the like, its logit scale, a final logit softcap)."""
+        logits = hidden
+        for name in self.head_names:
+            logits = getattr(self.hf, name)(logits)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         if self.final_softcap:

@@ -251,6 +251,12 @@ def _compare(name: str, decoder: Any, layers: list, ref_tokens: list, ref_logits
              got_logits: list, got_hidden: list) -> Verdict:
     dtype = next(decoder.hf.parameters()).dtype
     tol = TOLERANCE.get(dtype, 5e-2)
+    got_shape, want_shape = tuple(torch.cat(got_logits).shape), tuple(torch.cat(ref_logits).shape)
+    if got_shape != want_shape:
+        return Verdict(name, False, f"model_type {name!r}: piecegraph's output head gives logits of shape {got_shape}, "
+                                    f"the model's own forward {want_shape} (its output head computes more than the "
+                                    "modules piecegraph found for it). It is refused rather than run wrong",
+                       tolerance=tol)
     rel, biggest = _error(torch.cat(got_logits), torch.cat(ref_logits))
     layer, layer_rel, layer_abs = None, 0.0, 0.0
     for i in range(len(layers)):
