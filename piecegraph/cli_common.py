@@ -53,7 +53,7 @@ def resolve_attention(attention: str, device: str) -> str:
 
 
 PRESETS = ("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b", "tiny-mla",
-           "deepseek-v3-shape", "glm5-shape")
+           "deepseek-v3-shape", "glm5-shape", "glm5-shape-dense")
 QUANTS = ("bf16", "fp8")
 MODEL_HELP = " | ".join(PRESETS) + " | PATH (auto: tiny on CPU, 0.5B shape on GPU)"  # --model of every command
 
@@ -89,7 +89,9 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, qu
     presets = {"tiny": TINY, "qwen2.5-0.5b": QWEN2_5_0_5B, "llama-3.2-1b": LLAMA_3_2_1B_SHAPE,
                "llama-7b-shape": LLAMA_7B_SHAPE, "tiny-moe": TINY_MOE,
                "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B, "tiny-mla": TINY_MLA,
-               "deepseek-v3-shape": DEEPSEEK_V3_SHAPE, "glm5-shape": GLM5_SHAPE}
+               "deepseek-v3-shape": DEEPSEEK_V3_SHAPE, "glm5-shape": GLM5_SHAPE,
+               # GLM-5's shape without its DSA indexer: dense MLA, what sparse attention is measured against
+               "glm5-shape-dense": GLM5_SHAPE.replace(index_n_heads=0, index_head_dim=0, index_topk=0)}
     if model in presets:
         cls = MoEDecoder if model.endswith("moe") or "-moe-" in model else Decoder
         cls = MLADecoder if isinstance(presets[model], MLAConfig) else cls

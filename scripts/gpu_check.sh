@@ -6,7 +6,8 @@
 #   serve (serving benchmark) | hf-bench (a transformers Qwen2 through piecegraph.hf) | fp8-block, fp8-moe (FP8
 #   blocks on FlashInfer) | moe (FP8 MoE preset) | startup (start-up test) | startup-engine, startup-hf (first,
 #   cold and warm starts) | profile (an engine step's host time) | http (piecegraph serve) | tp (two GPUs) |
-#   flashinfer-new (tests and overhead again on each .whl/flashinfer*.tar.xz)
+#   flashinfer-new (tests and overhead again on each .whl/flashinfer*.tar.xz) | mla (MLA/DSA tests, DSA vs dense MLA
+#   by context, the GLM-5 shape served) | prefix (a shared-prefix workload with and without the prefix cache)
 # Also: TESTS, BATCHES, PREFILL, JIT_SAVE=1 (keep FlashInfer's built kernels), BUNDLE=NAME.tgz (one archive of OUTDIR).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -14,7 +15,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-"tests overhead bench serve"}
 KNOWN=" tests overhead bench serve hf-bench fp8-block fp8-moe moe startup startup-engine startup-hf profile http tp "
-KNOWN+="flashinfer-new "
+KNOWN+="flashinfer-new mla prefix "
 unknown=$(for part in $PARTS; do [[ "$KNOWN" == *" $part "* ]] || echo -n "$part "; done)
 if [ -n "$unknown" ]; then
   echo "gpu_check.sh: unknown part(s): $unknown(known:$KNOWN)" >&2
@@ -165,6 +166,29 @@ if has moe; then  # the FP8 MoE preset benched per mode, then served in FP8 and 
       --json "$(name "moe_${quant}_serve")" 2>&1 | tee -a "$OUT/moe_serve.log"
     ok "${PIPESTATUS[0]}"
   done
+fi
+if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context, the GLM-5 shape served per mode
+  python3 -m pytest tests/gpu/test_mla_gpu.py tests/cpu/test_mla_models.py tests/cpu/test_mla_quant.py -m gpu -q -rs \
+    -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log"
+  ok "${PIPESTATUS[0]}"
+  for context in ${MLA_CONTEXTS:-4096 16384}; do
+    for model in glm5-shape glm5-shape-dense; do
+      python3 -m piecegraph.cli bench --model "$model" --device cuda --modes "${MLA_MODES:-full-compiled,auto}" \
+        --batches "${BATCHES:-1,10}" --prefill "" --context "$context" --repeats 10 \
+        --json "$(name "mla_bench_${model}_ctx${context}")" 2>&1 | tee -a "$OUT/mla_bench.log"
+      ok "${PIPESTATUS[0]}"
+    done
+  done
+  python3 -m piecegraph.cli serve-bench --model glm5-shape --device cuda --concurrency "${SERVE_CONC:-1,10,256,1024}" \
+    --input-len 512 --output-len 128 ${MLA_SERVE_ARGS:-} --json "$(name glm5_shape_serve)" 2>&1 \
+    | tee "$OUT/mla_serve.log"
+  ok "${PIPESTATUS[0]}"
+fi
+if has prefix; then  # prefix caching: a shared-prefix workload with and without the cache (auto, auto-noprefix)
+  python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --workload shared-prefix \
+    --num-prefixes "${PREFIX_COUNT:-4}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
+    --json "$(name prefix_serve)" 2>&1 | tee "$OUT/prefix_serve.log"
+  ok "${PIPESTATUS[0]}"
 fi
 if has startup; then  # the start-up test: first, cold and warm starts in fresh processes, graph memory estimate
   python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/startup_gpu.log"

@@ -65,10 +65,9 @@ def decode_cache(facts: ModelFacts, batches: Sequence[int], context: int, backen
                                   backend=backend)
     cache.reserve([(i, context + 1) for i in range(max(batches))])
     gen = torch.Generator(device=device).manual_seed(0)
-    for k, v in zip(cache.k, cache.v):
-        for pages in (k, v):
-            pages.normal_(0, 1, generator=gen)
-            pages[SCRATCH_PAGE].zero_()  # as the cache built it: pad rows of full graphs read zeros
+    for pages in (*cache.k, *cache.v, *getattr(cache, "index_k", ())):  # a DSA indexer's keys too: no ties
+        pages.normal_(0, 1, generator=gen)
+        pages[SCRATCH_PAGE].zero_()  # as the cache built it: pad rows of full graphs read zeros
     return cache
 
 

@@ -57,7 +57,10 @@ def gguf_folder(path: str | Path, cache_root: str | Path | None = None) -> tuple
     source = {"pretrained_model_name_or_path": path.resolve().parent, "gguf_file": path.name}
     tokenizer = AutoTokenizer.from_pretrained(**source)
     loaded = AutoModelForCausalLM.from_pretrained(**source)
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=loaded.dtype)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights saved are float: the folder is no GGUF checkpoint
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=loaded.dtype)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
     del loaded

@@ -127,6 +127,8 @@ def detect(config: dict[str, Any], hf_quant_config: dict[str, Any] | None = None
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "gguf":  # transformers dequantizes a GGUF file as it reads it: a folder it saved holds float weights
+        return None
     if method == "fp8":
         return _fp8_from_transformers(qc)
     if method == "compressed-tensors" or (method is None and "config_groups" in qc and "quant_algo" not in qc):

@@ -203,8 +203,12 @@ def apply_tp(model: "Decoder | HFDecoder", group: str, *, inplace: bool = False)
 def _check_layout(model: nn.Module, base: nn.Module) -> None:
     """Refuse, naming what differs, a model whose modules are not the Llama-style ones apply_tp shards."""
     what = type(getattr(model, "hf", model)).__name__
-    if type(base.embed_tokens) is not nn.Embedding:
-        raise ValueError(f"piecegraph.parallel.apply_tp: {what}'s embed_tokens is a {type(base.embed_tokens).__name__}"
+    embed = getattr(base, "embed_tokens", None)
+    if embed is None or not hasattr(base, "layers"):  # GPT-2-style layouts (transformer.wte, transformer.h)
+        raise ValueError(f"piecegraph.parallel.apply_tp: {what} has no embed_tokens and layers under its base model "
+                         "(another layout than Llama's), which apply_tp cannot shard")
+    if type(embed) is not nn.Embedding:
+        raise ValueError(f"piecegraph.parallel.apply_tp: {what}'s embed_tokens is a {type(embed).__name__}"
                          ", not a plain nn.Embedding (Gemma scales it), which apply_tp cannot shard yet")
     head = getattr(getattr(model, "hf", model), "lm_head", None)
     if type(head) is not nn.Linear or head.bias is not None:

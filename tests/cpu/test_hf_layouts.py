@@ -121,3 +121,13 @@ def test_an_output_head_found_short_is_refused_by_the_probe():
         decoder.head_names = ("lm_head",)
         verdict = pghf.verify(decoder, raise_on_failure=False)
     assert not verdict.ok and "output head" in verdict.reason and "'modernbert-decoder'" in verdict.reason
+
+
+def test_tensor_parallel_refuses_a_gpt2_layout_naming_it():
+    """apply_tp shards Llama-style modules only: a GPT-2 layout (transformer.wte, transformer.h) is refused with a
+    ValueError naming the layout, before any process group is asked for."""
+    from piecegraph.parallel import apply_tp
+
+    decoder = pghf.wrap(tiny("gpt2"), verify=False)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no embed_tokens and layers"):
+        apply_tp(decoder, "tp")

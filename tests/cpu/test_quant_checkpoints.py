@@ -146,6 +146,8 @@ def test_a_scale_that_is_not_the_block_grid_is_refused_never_broadcast():
 
 def test_detect_reads_the_formats_and_refuses_others_by_name():
     assert qf.detect({}) is None
+    # a folder transformers saved from a GGUF file it read (dequantized) still names gguf: its weights are float
+    assert qf.detect({"quantization_config": {"quant_method": "gguf"}}) is None
     assert qf.detect({"quantization_config": CONFIGS["fp8"]}).block == (128, 128)
     ct_block = json.loads(json.dumps(CONFIGS["ct"]))
     ct_block["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128])
