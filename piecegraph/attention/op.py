@@ -4,8 +4,8 @@
 forward context and hands the work to the cache's backend (``torch`` or ``flashinfer``). It is a split op:
 piecegraph cuts the graph there and runs it eagerly between captured pieces, or captures it too in
 ``mode="full"`` (pure decode steps, whose metadata is all token-aligned tensors or a backend's static buffers).
-Its last three arguments (``scale``, ``window``, ``softcap``; defaults: none) carry a layer's constants for
-Hugging Face models (``piecegraph.hf``); the reference decoder leaves them out, so it runs exactly as before.
+Its last four arguments (``scale``, ``window``, ``softcap``, ``sinks``; defaults: none) carry a layer's constants
+for Hugging Face models (``piecegraph.hf``); the reference decoder leaves them out, so it runs exactly as before.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from piecegraph.ops.split import split_op
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
-                    scale: float = 0.0, window: int = -1, softcap: float = 0.0) -> None:
+                    scale: float = 0.0, window: int = -1, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> None:
     """Write the first n tokens' k, v into the cache, attend, fill ``out[:n]``, zero ``out[n:]``.
 
     ``q``, ``k``: ``head_dim`` per head; ``v`` and ``out``: the cache's ``v_head_dim`` per head (``head_dim``
@@ -26,7 +27,10 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     Per-layer constants (Hugging Face models pass them; the reference decoder leaves the defaults): ``scale``
     (0: the backend's ``head_dim ** -0.5``), ``window`` (a sliding window: a query at position p sees keys at
     positions > p - window; -1 or any window >= the cache's ``max_seq_len``: none, since it never excludes a key)
-    and ``softcap`` (0: none; else scores become ``softcap * tanh(scores / softcap)`` before the mask).
+    and ``softcap`` (0: none; else scores become ``softcap * tanh(scores / softcap)`` before the mask);
+    ``sinks`` (``None``: none; else learned attention sinks, one logit per query head, float32 or the model's
+    dtype: each joins its head's softmax denominator only, as gpt-oss's ``s_aux``; a model parameter, so static
+    under full-graph capture).
     """
     meta = get_forward_context()
     cache = meta.cache
@@ -44,6 +48,11 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     heads_kv = cache.num_kv_heads
     target = rows.view(n, -1, vdim)  # out: [T, heads * v_head_dim] (values may differ in width from keys)
     extras = _extras(scale, window, softcap, cache.max_seq_len)
+    if sinks is not None:
+        heads = q.numel() // max(q.shape[0], 1) // dim
+        if sinks.numel() != heads:
+            raise ValueError(f"attention sinks: {sinks.numel()} values for {heads} query heads (one per head)")
+        extras["sinks"] = sinks.reshape(heads)
     cache.backend.forward(q.reshape(n, -1, dim), k.reshape(n, heads_kv, dim), v.reshape(n, heads_kv, vdim), target,
                           layer, meta, **extras)
     if total > n:
@@ -63,14 +72,15 @@ def _extras(scale: float, window: int, softcap: float, max_seq_len: int) -> dict
 
 
 def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
-                    scale: float = 0.0, window: int = -1, softcap: float = 0.0) -> None:
+                    scale: float = 0.0, window: int = -1, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> None:
     return None
 
 
 # "DEF", not "FRAGMENT": FRAGMENT registration before Inductor's first import broke torch.compile on torch 2.11.
 _LIB = LIBRARY = torch.library.Library("piecegraph_models", "DEF")  # mla_op defines its op on it too
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer, float scale=0., int window=-1, "
-            "float softcap=0.) -> ()")
+            "float softcap=0., Tensor? sinks=None) -> ()")
 for _key in ("CPU", "CUDA"):
     _LIB.impl("attention", _attention_impl, _key)
 torch.library.register_fake("piecegraph_models::attention", _attention_fake, lib=_LIB)

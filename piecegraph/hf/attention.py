@@ -10,7 +10,8 @@ forward passes, whose dtype no Hugging Face mask has, marks the call instead):
 
 - flat (piecegraph's forward): q, k, v of ``[1, heads, T, head_dim]`` become flat ``[T, heads * head_dim]`` rows
   and go to the split op ``piecegraph_models::attention`` (KV-cache write and paged attention), with the layer's
-  softmax scale, sliding window and logit softcap as arguments. Anything else the model asks for is refused with
+  softmax scale, sliding window, logit softcap and attention sinks (``s_aux`` / ``sinks``: one learned logit per
+  query head) as arguments. Anything else the model asks for is refused with
   an error naming the model type, never ignored.
 - otherwise (Hugging Face's own forward, ``generate``, ``generate_batch``): the function Hugging Face itself would
   call, looked up from the implementation the module's config names *now*. The model's own forward gives exactly
@@ -46,8 +47,9 @@ MASK_DTYPE = torch.uint8
 _IGNORED = frozenset({FLAT, "position_ids", "cache", "past_key_values", "cache_position", "use_cache",
                       "output_attentions", "is_causal", "dropout", "scaling", "sliding_window", "softcap"})
 # What some attention keyword arguments piecegraph refuses mean, for the refusal's message.
-_FEATURES = {"s_aux": "attention sinks", "indices": "sparse attention over selected keys",
-             "position_bias": "an additive position bias", "sinks": "attention sinks"}
+_FEATURES = {"indices": "sparse attention over selected keys", "position_bias": "an additive position bias"}
+# The names transformers' attention calls give learned attention sinks (gpt_oss and kin: ``s_aux``).
+_SINKS = ("s_aux", "sinks")
 _users: weakref.WeakSet = weakref.WeakSet()  # the live wraps; "piecegraph" stays registered while there is one
 _view_classes: dict[type, type] = {}  # config class -> its view class
 
@@ -178,7 +180,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     k = key[0].transpose(0, 1).reshape(tokens, -1)
     v = value[0].transpose(0, 1).reshape(tokens, -1)
     out = q.new_empty(tokens, heads * vdim)  # the op writes here: a stable address for the pieces after the split
-    torch.ops.piecegraph_models.attention(q, k, v, out, module.layer_idx, scale, window, softcap)
+    sinks = _sinks(module, kwargs, heads)
+    torch.ops.piecegraph_models.attention(q, k, v, out, module.layer_idx, scale, window, softcap, sinks)
     return out.view(1, tokens, heads, vdim), None
 
 
@@ -188,7 +191,7 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     if args:
         raise UnsupportedModelError(f"model_type {name!r}: its attention call passes positional arguments "
                                     f"{describe(args)} that piecegraph's attention does not know")
-    unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and v is not None)
+    unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and k not in _SINKS and v is not None)
     if unknown:
         what = "".join(f" ({k}: {_FEATURES[k]})" for k in unknown if k in _FEATURES)
         raise UnsupportedModelError(f"model_type {name!r}: its attention asks for {unknown}{what}, which "
@@ -204,6 +207,22 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
     return scale, int(window) if window else -1, float(softcap) if softcap else 0.0
+
+
+def _sinks(module: torch.nn.Module, kwargs: dict, heads: int) -> torch.Tensor | None:
+    """The layer's attention sinks (``s_aux`` or ``sinks``: one logit per query head, ``[heads]``), or ``None``.
+    Refuses sinks of another shape (per-token sinks computed from the hidden states, both names at once)."""
+    given = [(name, kwargs[name]) for name in _SINKS if kwargs.get(name) is not None]
+    if not given:
+        return None
+    name, sinks = given[0]
+    if len(given) > 1 or not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != heads:
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for _, t in given]
+        raise UnsupportedModelError(
+            f"model_type {model_type(module.config)!r}: its attention passes attention sinks "
+            f"{[n for n, _ in given]} of shape {shapes}; piecegraph's paged attention takes one sink logit per "
+            f"query head ({name} of shape ({heads},)) only")
+    return sinks
 
 
 def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
