@@ -141,6 +141,26 @@ def check_structure(model: Any) -> None:
             "attention layer, which piecegraph's paged attention does not run")
 
 
+# generation_config fields whose logits processors transformers' greedy generate applies and piecegraph's does not
+_FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")
+
+
+def check_generation(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError` when ``model.generation_config`` forces a token (``forced_eos_token_id``:
+    BART, Marian, Pegasus...; ``forced_bos_token_id``): transformers' ``generate`` would end an answer that
+    reaches its length limit with it (or start one with it), piecegraph's greedy decoding does not, so its
+    tokens would differ. The message names the field and the fix (set it to ``None``)."""
+    gen = getattr(model, "generation_config", None)
+    for field in _FORCED_TOKENS:
+        value = getattr(gen, field, None)
+        if value is not None:
+            raise UnsupportedModelError(
+                f"model_type {model_type(model.config)!r}: its generation_config.{field}={value} makes "
+                "transformers' generate force that token, which piecegraph's greedy decoding does not do; set "
+                f"model.generation_config.{field} = None to run it (its greedy tokens then equal transformers' "
+                f"generate with {field}=None)")
+
+
 def base_model_name(model: Any) -> str | None:
     """The attribute of a causal LM holding its base model: ``"model"``, else its ``base_model_prefix``
     (``"transformer"``, ``"gpt_neox"``, ``"bert"``...); ``None`` when there is none."""

@@ -11,6 +11,9 @@ block) undoes it:
 - each attention module's ``config`` becomes a view of the same config naming ``"piecegraph"`` (the model's
   config, its sub-configs and ``config.to_dict()`` are never changed); unwrap gives the modules their config back;
 - modules in training mode are put in eval mode; unwrap puts them back in training mode;
+- a decoder that numbers positions itself (BART, Marian, Pegasus...) gets a forward pre-hook on its position
+  module that gives it the flat forward's positions, and changes nothing in any other call
+  (:mod:`piecegraph.hf.positions`); unwrap removes it;
 - a private attribute on the model (``_piecegraph_hf``) records the above; unwrap removes it;
 - ``"piecegraph"`` is registered in transformers' ``AttentionInterface`` while any model is wrapped.
 """
@@ -28,6 +31,7 @@ import piecegraph.hf.probe as probe
 from piecegraph.hf.arch import (
     base_model_name,
     cache_config,
+    check_generation,
     check_structure,
     check_supported,
     layer_constants,
@@ -35,6 +39,7 @@ from piecegraph.hf.arch import (
     output_head_names,
 )
 from piecegraph.hf.attention import FLAT, is_view
+from piecegraph.hf.positions import FlatPositions
 from piecegraph.models.facts import ModelFacts, measure
 
 _STATE = "_piecegraph_hf"  # the attribute of a wrapped Hugging Face model holding its _Wrap
@@ -57,16 +62,18 @@ def is_hf_model(model: Any) -> bool:
 
 class _Wrap:
     """What wrapping changed on one Hugging Face model, to undo exactly: the attention modules given a config view
-    (with their own configs) and the modules it switched from training to eval mode. Shared by every
-    :class:`HFDecoder` of the model until :func:`unwrap` removes it."""
+    (with their own configs), the position modules hooked and the modules it switched from training to eval mode.
+    Shared by every :class:`HFDecoder` of the model until :func:`unwrap` removes it."""
 
     def __init__(self) -> None:
         self.configs: list[tuple[torch.nn.Module, Any]] = []
         self.trained: list[torch.nn.Module] = []
+        self.positions = FlatPositions()
 
     def apply(self, model: torch.nn.Module) -> None:
         """Switch ``model``'s attention modules to piecegraph's and the model to eval mode (idempotent)."""
         self.configs += hf_attention.install(model)
+        self.positions.install(model)
         self.to_eval(model)
 
     def to_eval(self, model: torch.nn.Module) -> None:
@@ -81,6 +88,7 @@ class _Wrap:
 
     def undo(self) -> None:
         hf_attention.restore(self.configs)
+        self.positions.remove()
         for module in self.trained:
             module.training = True  # the flag only: a child that was in eval mode stays there
 
@@ -113,7 +121,8 @@ class HFDecoder(torch.nn.Module):
     """A Hugging Face causal LM over flat tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
 
     Constraints: a decoder-only causal LM that passes :func:`~piecegraph.hf.arch.check_supported`,
-    :func:`~piecegraph.hf.arch.check_structure` and, unless ``verify`` is False, the numeric self-check
+    :func:`~piecegraph.hf.arch.check_structure`, :func:`~piecegraph.hf.arch.check_generation` (no token forced
+    by its ``generation_config``) and, unless ``verify`` is False, the numeric self-check
     :func:`piecegraph.hf.probe.verify` (a short probe through piecegraph's attention against the model's own
     forward, once per model instance; ``verify=None`` runs it unless the environment sets
     ``PIECEGRAPH_HF_VERIFY=0``): else :class:`UnsupportedModelError` naming its model_type, the feature or the
@@ -162,6 +171,7 @@ class HFDecoder(torch.nn.Module):
         experts = getattr(model.config, "_experts_implementation", None) if _has_experts(model) else None
         check_supported(model.config, experts)
         check_structure(model)
+        check_generation(model)
         state = getattr(model, _STATE, None)
         #: True when this wrapper wrapped the model; False when it joined a wrap made before (close() keeps that).
         self.owns_wrap = state is None
@@ -238,6 +248,7 @@ class HFDecoder(torch.nn.Module):
         setattr(self.hf, _STATE, state)
         for module, view in views:
             module.config = view
+        state.positions.install(self.hf)
         state.trained = []  # what is in training mode now, not what was before the suspend
         state.to_eval(self.hf)
         self._suspended = None
@@ -268,9 +279,16 @@ class HFDecoder(torch.nn.Module):
         # paged and causal in the op, which ignores it).
         no_mask = hf_attention.placeholder_mask(input_ids.device)
         base = getattr(self.hf, self.base_name)
-        out = base(input_ids=input_ids[None], position_ids=positions[None], attention_mask=no_mask,
-                   use_cache=False, return_dict=False, **{FLAT: True})
-        return out[0][0]
+        inputs = dict(input_ids=input_ids[None], position_ids=positions[None], attention_mask=no_mask,
+                      use_cache=False, return_dict=False, **{FLAT: True})
+        numbering = self._wrap.positions
+        if not numbering.modules:
+            return base(**inputs)[0][0]
+        numbering.current = positions  # a decoder that numbers positions itself: its hooked position module's
+        try:
+            return base(**inputs)[0][0]
+        finally:
+            numbering.current = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size] -> [T, vocab_size]``, as the Hugging Face model computes them (its output head,

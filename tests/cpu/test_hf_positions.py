@@ -1,0 +1,116 @@
+"""Decoders that number positions themselves run with each token's own position.
+
+BART, Marian, mBART, Pegasus, Blenderbot (and its small kin) and PLBart as causal LMs count positions from 0 in
+every call instead of reading ``position_ids``; piecegraph's packed prefill puts several sequences in one row, so
+their position modules are given the flat forward's positions (``piecegraph.hf.positions``). Each type gives
+transformers' exact greedy tokens for two prompts of different lengths, its hidden states agree with its own
+forward (the numeric self-check), and the model's own forward is the same while wrapped and after unwrap. Their
+default generation_config forces EOS at max_length, which piecegraph's greedy decoding does not: refused, named.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import piecegraph.hf as pghf  # noqa: E402
+from piecegraph.hf.positions import self_numbering_modules  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 9, 10, 11], [7, 7, 1, 64]]
+NEW = 8
+SIZES = dict(vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+             encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, max_position_embeddings=64,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+TYPES = ["bart", "marian", "mbart", "pegasus", "blenderbot", "blenderbot-small", "plbart"]
+
+
+def tiny(model_type):
+    """A float32 tiny random ``model_type`` causal LM, projections ~N(0, 1/fan_in)."""
+    config = transformers.AutoConfig.for_model(model_type, **SIZES)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "embed" in name:
+                param.normal_(0, 0.1)
+            elif param.dim() >= 2 and "norm" not in name:
+                param.normal_(0, param.shape[-1] ** -0.5)
+    # These configs ask transformers' generate to force EOS as the last token at max_length, which piecegraph
+    # refuses (test below): run them as a user who switched it off does
+    model.generation_config.forced_eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=NEW, do_sample=False)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t == 2), len(tokens))]
+
+
+def own_logits(model):
+    with torch.no_grad():
+        return model(torch.tensor([PROMPTS[0]])).logits
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_self_numbering_decoder_gives_transformers_tokens_and_is_given_back(model_type):
+    model = tiny(model_type)
+    (positions,) = self_numbering_modules(model)
+    before = own_logits(model)
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    with pghf.HFDecoder(model) as decoder:  # the self-check: packed prefill and decode against its own forward
+        assert pghf.verify(decoder, raise_on_failure=False).ok
+        assert torch.equal(own_logits(model), before)  # while wrapped, its own forward counts its own positions
+    assert not positions._forward_pre_hooks and not positions._forward_pre_hooks_with_kwargs
+    got = pghf.generate(model, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
+    assert got == expected
+    assert not hasattr(model, "_piecegraph_hf") and not positions._forward_pre_hooks
+    assert torch.equal(own_logits(model), before)
+
+
+@pytest.mark.slow
+def test_positions_reach_compiled_pieces_and_emulated_graphs():
+    """Traced by Dynamo (piecewise prefill, full-graph decode emulated on CPU): the positions are the graph's input,
+    not the count of the trace."""
+    model = tiny("blenderbot-small")
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    got = pghf.generate(model, PROMPTS, NEW, mode="graphs", emulate_graphs=True, compiler="eager",
+                        prefill_tokens=32, backend="torch", reuse=False)
+    assert got == expected
+
+
+def test_without_the_positions_the_packed_prefill_differs():
+    """The control: with the hook taken off, the second packed sequence is numbered on from the first, and the
+    self-check refuses naming the first layer."""
+    model = tiny("bart")
+    with pghf.HFDecoder(model, verify=False) as decoder:
+        decoder._wrap.positions.remove()
+        verdict = pghf.verify(decoder, raise_on_failure=False)
+    assert not verdict.ok and verdict.layer == 0 and "'bart'" in verdict.reason, verdict.reason
+
+
+def test_decoders_that_read_position_ids_and_roberta_are_not_hooked():
+    """OPT reads ``position_ids`` (its own embed_positions needs no hook); RoBERTa numbers from its padding index,
+    which piecegraph does not reproduce: it stays refused by the self-check."""
+    opt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "opt", vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=64, max_position_embeddings=64))
+    roberta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "roberta", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, is_decoder=True))
+    assert self_numbering_modules(opt) == [] and self_numbering_modules(roberta) == []
+    assert not pghf.verify(roberta, raise_on_failure=False).ok
+
+
+def test_a_token_forced_by_the_generation_config_is_refused_naming_it():
+    """BART's default generation_config forces EOS at max_length (transformers' generate ends such an answer with
+    it, piecegraph's greedy loop does not): refused naming the field and the fix, the model left as it was."""
+    model = tiny("bart")
+    model.generation_config.forced_eos_token_id = 2
+    with pytest.raises(pghf.UnsupportedModelError, match=r"forced_eos_token_id=2.*= None"):
+        pghf.generate(model, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
+    assert not hasattr(model, "_piecegraph_hf") and not model.model.decoder.embed_positions._forward_pre_hooks
