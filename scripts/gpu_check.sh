@@ -7,7 +7,8 @@
 #   blocks on FlashInfer) | moe (FP8 MoE preset) | startup (start-up test) | startup-engine, startup-hf (first,
 #   cold and warm starts) | profile (an engine step's host time) | http (piecegraph serve) | tp (two GPUs) |
 #   flashinfer-new (tests and overhead again on each .whl/flashinfer*.tar.xz) | mla (MLA/DSA tests, DSA vs dense MLA
-#   by context, the GLM-5 shape served) | prefix (a shared-prefix workload with and without the prefix cache)
+#   by context) | mla-serve (the GLM-5 shape served) | prefix (a shared-prefix workload with and without the prefix
+#   cache)
 # Also: TESTS, BATCHES, PREFILL, JIT_SAVE=1 (keep FlashInfer's built kernels), BUNDLE=NAME.tgz (one archive of OUTDIR).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -15,7 +16,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-"tests overhead bench serve"}
 KNOWN=" tests overhead bench serve hf-bench fp8-block fp8-moe moe startup startup-engine startup-hf profile http tp "
-KNOWN+="flashinfer-new mla prefix "
+KNOWN+="flashinfer-new mla mla-serve prefix "
 unknown=$(for part in $PARTS; do [[ "$KNOWN" == *" $part "* ]] || echo -n "$part "; done)
 if [ -n "$unknown" ]; then
   echo "gpu_check.sh: unknown part(s): $unknown(known:$KNOWN)" >&2
@@ -167,7 +168,7 @@ if has moe; then  # the FP8 MoE preset benched per mode, then served in FP8 and 
     ok "${PIPESTATUS[0]}"
   done
 fi
-if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context, the GLM-5 shape served per mode
+if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context
   python3 -m pytest tests/gpu/test_mla_gpu.py tests/cpu/test_mla_models.py tests/cpu/test_mla_quant.py -m gpu -q -rs \
     -p no:cacheprovider 2>&1 | tee "$OUT/mla_tests.log"
   ok "${PIPESTATUS[0]}"
@@ -179,6 +180,8 @@ if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context, 
       ok "${PIPESTATUS[0]}"
     done
   done
+fi
+if has mla-serve; then  # the GLM-5 shape served, every mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model glm5-shape --device cuda --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --input-len 512 --output-len 128 ${MLA_SERVE_ARGS:-} --json "$(name glm5_shape_serve)" 2>&1 \
     | tee "$OUT/mla_serve.log"

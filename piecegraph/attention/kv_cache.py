@@ -23,7 +23,7 @@ import torch
 from piecegraph.attention.backends import resolve_backend
 from piecegraph.attention.metadata import to_device
 from piecegraph.attention.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
-from piecegraph.attention.types import CacheShape, index_head_dim, v_head_dim
+from piecegraph.attention.types import CacheShape, index_head_dim, is_mla, v_head_dim
 from piecegraph.program import describe
 
 __all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "PageKeeper", "pages_for"]
@@ -46,6 +46,21 @@ class PageKeeper(Protocol):
 
 class OutOfPagesError(RuntimeError):
     """The KV cache has too few free pages for a request; nothing was allocated or freed by the failed call."""
+
+
+def _key_value_pages(config: CacheShape, num_pages: int, page_size: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's zeroed k ``[pages, page, kv_heads, head_dim]`` and v (``v_head_dim`` wide: values may be
+    narrower or wider than keys; MLA's v is the rotary key). On CUDA, keys and values of different widths are
+    views of one page buffer as wide as the wider, so that k and v have the same strides: FlashInfer's paged
+    kernels require it (the unused columns cost ``|head_dim - v_head_dim|`` per head and token)."""
+    k_dim, v_dim = config.head_dim, v_head_dim(config)
+    shape = (num_pages, page_size, config.num_kv_heads)
+    if device.type != "cuda" or k_dim == v_dim or is_mla(config):
+        return ([torch.zeros(*shape, k_dim, dtype=dtype, device=device) for _ in range(config.num_layers)],
+                [torch.zeros(*shape, v_dim, dtype=dtype, device=device) for _ in range(config.num_layers)])
+    wide = [torch.zeros(2, *shape, max(k_dim, v_dim), dtype=dtype, device=device) for _ in range(config.num_layers)]
+    return [w[0, ..., :k_dim] for w in wide], [w[1, ..., :v_dim] for w in wide]
 
 
 class KVCache:
@@ -80,10 +95,7 @@ class KVCache:
             raise ValueError(f"KVCache max_seq_len must be positive, got {self.max_seq_len}")
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         self.v_head_dim, self.index_head_dim = v_head_dim(config), index_head_dim(config)
-        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-        v_shape = (*shape[:3], self.v_head_dim)  # values may be narrower or wider than keys (MLA: the rotary key)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.k, self.v = _key_value_pages(config, num_pages, page_size, dtype, torch.device(device))
         # a DSA indexer's keys, one per token (same pages); none without an indexer
         self.index_k = [torch.zeros(num_pages, page_size, self.index_head_dim, dtype=dtype, device=device)
                         for _ in range(config.num_layers if self.index_head_dim else 0)]

@@ -69,14 +69,31 @@ def torch_block_gemm(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor, w_
     return (a @ b.t()).to(out_dtype)
 
 
+def _scaled_mm_fake(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor, w_scale_kmajor: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    return q.new_empty(q.shape[0], w.shape[0], dtype=out_dtype)
+
+
+@opaque(fake=_scaled_mm_fake, name="fp8_block_gemm_cublas")
 def scaled_mm_block_gemm(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor, w_scale_kmajor: torch.Tensor,
                          out_dtype: torch.dtype) -> torch.Tensor:
     """cuBLAS's blockwise FP8 GEMM: ``q [M, K]`` e4m3 with ``q_scale [M, K/128]``, ``w [N, K]`` e4m3 with
-    ``w_scale_kmajor`` the ``[N/128, round_up(K/128, 4)]`` padded weight scales (:func:`pad_weight_scale`)."""
+    ``w_scale_kmajor`` the ``[N/128, round_up(K/128, 4)]`` padded weight scales (:func:`pad_weight_scale`).
+    Returns a new ``[M, N]`` tensor. One opaque op: Dynamo cannot trace ``_scaled_mm_v2``, and the layouts cuBLAS
+    checks (M-major activation scales) are built here, where no compiler reorders them."""
     f = nn.functional
-    a_scale = q_scale.t().contiguous().t()  # [M, K/128], stride (1, M): cuBLAS reads it M-major
-    return f.scaled_mm(q, w.t(), a_scale, f.ScalingType.BlockWise1x128, w_scale_kmajor.t(),
-                       f.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    m, kb = q_scale.shape
+    # cuBLAS reads the activation scales M-major with an aligned leading dimension: rows are padded to a multiple
+    # of 16 (pad rows: zero values, unit scales; their outputs are dropped)
+    rows = m + (-m % 16)
+    a_scale = torch.empty_strided((rows, kb), (1, rows), dtype=torch.float32, device=q.device)
+    a_scale[:m].copy_(q_scale)
+    a_scale[m:].fill_(1.0)
+    if rows != m:
+        q = torch.cat([q, q.new_zeros(rows - m, q.shape[1])])
+    out = f.scaled_mm(q, w.t(), a_scale, f.ScalingType.BlockWise1x128, w_scale_kmajor.t(),
+                      f.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return out[:m] if rows != m else out
 
 
 def pad_weight_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -151,22 +168,25 @@ def _triton_runs(device: torch.device) -> bool:
 
 @functools.cache
 def _scaled_mm_runs(device: torch.device) -> bool:
-    """Whether cuBLAS's 1x128 x 128x128 FP8 GEMM runs on ``device`` and equals the ``"torch"`` kernel on a
-    256 x 256 x 384 product (a torch or CUDA build without it raises, or would be wrong: then it is not chosen)."""
+    """Whether cuBLAS's 1x128 x 128x128 FP8 GEMM runs on ``device`` and equals the ``"torch"`` kernel on
+    1, 10 and 256 rows times a 256 x 384 weight (a torch or CUDA build without it raises, or would be wrong: then
+    it is not chosen)."""
     f = nn.functional
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9 or not hasattr(f, "ScalingType"):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(256, 384, device=device, generator=gen)
     w = torch.randn(256, 384, device=device, generator=gen)
-    q, qs = quantize_groups(x, 128)
     wq, ws = quantize_weight_blocks(w)
-    try:
-        got = scaled_mm_block_gemm(q, qs, wq, pad_weight_scale(ws), torch.bfloat16).float()
-    except (RuntimeError, NotImplementedError, ValueError, TypeError):
-        return False
-    want = torch_block_gemm(q, qs, wq, ws, (128, 128), torch.float32)
-    return bool(((got - want).norm() / want.norm()) < 1e-2)
+    for rows in (1, 10, 256):  # a decode row, a ragged count, a full tile
+        q, qs = quantize_groups(torch.randn(rows, 384, device=device, generator=gen), 128)
+        try:
+            got = scaled_mm_block_gemm(q, qs, wq, pad_weight_scale(ws), torch.bfloat16).float()
+        except (RuntimeError, NotImplementedError, ValueError, TypeError):
+            return False
+        want = torch_block_gemm(q, qs, wq, ws, (128, 128), torch.float32)
+        if not ((got - want).norm() / want.norm()) < 1e-2:
+            return False
+    return True
 
 
 def block_kernel(device: torch.device | str, n: int, k: int, block: tuple[int, int]) -> str:

@@ -23,22 +23,25 @@ StepTimer = Callable[[str, int, int], float]  # (kind "decode" | "prefill", rows
 
 
 def estimate(work: Sequence[tuple[Sequence[int], int]], concurrency: int, timer: StepTimer,
-             budget: int, fits: Callable[[int], int] | None = None) -> dict[str, Any]:
+             budget: int, fits: Callable[[int], int] | None = None, cached_tokens: int = 0) -> dict[str, Any]:
     """GPU-bound output tok/s of ``work`` (``(prompt, max_new_tokens)`` pairs, no EOS) at ``concurrency``:
     prompt tokens at the prefill rate of a ``budget``-token step, then ``sum(outputs - 1) / rows`` decode steps
     of ``rows = min(concurrency, len(work), fits(context))`` rows at the mean context. ``fits(context)``: how many
     sequences of that context the engine runs at once (its KV pages and ``max_num_seqs``; ``None``: no limit);
-    without it a concurrency beyond the cache's room failed to reserve its rows (at c=1024 on the H200)."""
+    without it a concurrency beyond the cache's room failed to reserve its rows (at c=1024 on the H200).
+    ``cached_tokens``: prompt tokens the measured run found in its prefix cache; they are not prefilled here either,
+    so the estimate times the same GPU work the run did."""
     prompts = sum(len(p) for p, _ in work)
     outputs = sum(n for _, n in work)
     context = round(prompts / len(work) + outputs / len(work) / 2)
     rows = max(1, min(concurrency, len(work), fits(context) if fits else len(work)))
     decode_ms = timer("decode", rows, context)
     prefill_ms_per_token = timer("prefill", budget, 0) / budget
-    gpu_s = (prompts * prefill_ms_per_token + math.ceil(sum(n - 1 for _, n in work) / rows) * decode_ms) / 1e3
+    decode_steps = math.ceil(sum(n - 1 for _, n in work) / rows)
+    gpu_s = ((prompts - cached_tokens) * prefill_ms_per_token + decode_steps * decode_ms) / 1e3
     return {"concurrency": concurrency, "gpu_bound_output_tok_s": outputs / gpu_s if gpu_s else None,
             "decode_step_ms": decode_ms, "decode_rows": rows, "context": context,
-            "prefill_us_per_token": 1e3 * prefill_ms_per_token}
+            "prefill_us_per_token": 1e3 * prefill_ms_per_token, "cached_tokens": cached_tokens}
 
 
 def engine_fits(engine: Any) -> Callable[[int], int]:

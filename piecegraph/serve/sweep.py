@@ -106,7 +106,8 @@ def finish_mode(engine: Engine, plan: Plan, works: dict[int, Any], result: dict[
         result["decode_reference"] = ref
         log(f"{mode}: decode-only full-graph loop ITL p50 {ref['itl_p50_ms']:.2f} ms")
     if plan.gpu_bound and mode == "auto" and engine.cache.device.type == "cuda":
-        result["gpu_bound"] = _gpu_bound(engine, works, plan, log)
+        cached = {row["concurrency"]: row.get("cached_tokens", 0) for row in result["rows"]}
+        result["gpu_bound"] = _gpu_bound(engine, works, plan, log, cached)
     result["capture"] = engine.capture_report()  # pool MiB after the runs too (FlashInfer plans may add)
     return result
 
@@ -130,13 +131,14 @@ def log_row(log: Callable[[str], None], mode: str, row: dict[str, Any]) -> None:
         f"{row['gc_pause_ms']:.0f} ms ({row['gc_full']} full)")
 
 
-def _gpu_bound(engine: Engine, works: dict[int, Any], plan: Plan, log: Callable[[str], None]
-               ) -> list[dict[str, Any]]:
-    """The GPU-bound estimate per concurrency (an error is logged and leaves the list short: it is a side note)."""
+def _gpu_bound(engine: Engine, works: dict[int, Any], plan: Plan, log: Callable[[str], None],
+               cached: dict[int, int]) -> list[dict[str, Any]]:
+    """The GPU-bound estimate per concurrency (an error is logged and leaves the list short: it is a side note),
+    of the same work as the measured run: its prefix-cache hits (``cached``: concurrency -> tokens) not prefilled."""
     timer, fits, out = engine_timer(engine), engine_fits(engine), []
     for c, work in works.items():
         try:
-            out.append(estimate(work, c, timer, plan.engine.max_num_batched_tokens, fits))
+            out.append(estimate(work, c, timer, plan.engine.max_num_batched_tokens, fits, cached.get(c, 0)))
         except Exception as exc:  # noqa: BLE001  (an estimate must not lose the measured rows)
             log(f"GPU-bound estimate at c={c} failed: {type(exc).__name__}: {exc}")
             continue

@@ -293,18 +293,21 @@ def test_loader_skips_layers_beyond_num_hidden_layers_with_a_note(tiny, tmp_path
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
 def test_bf16_on_gpu_near_transformers(tiny):
-    """bf16 on the GPU (grouped_mm experts, the cache's default backend): prefill logits within bf16 rounding of
-    transformers' bf16 forward, for every type."""
+    """bf16 on the GPU (grouped_mm experts, the cache's default backend): prefill logits as near transformers'
+    float32 forward as transformers' own bf16 forward is (within twice its error, plus 2%: routing ties), for every
+    type."""
     for kind, (hf, folder, _) in tiny.items():
         model = load_mla(folder, dtype=torch.bfloat16, device="cuda")
-        theirs = getattr(transformers, type(hf).__name__).from_pretrained(folder, dtype=torch.bfloat16).cuda()
+        cls = getattr(transformers, type(hf).__name__)
         ids = torch.tensor(PROMPTS[0], device="cuda")
         cache = KVCache.for_sequences(model.config, 1, len(ids), dtype=torch.bfloat16, device="cuda")
         meta = AttentionMetadata.for_batch(cache, [("a", 0, len(ids))])
         with forward_context(meta):
             ours = model.logits(model(ids, meta.positions)).float()
-        want = theirs(ids[None]).logits[0].float()
-        assert ((ours - want).norm() / want.norm()).item() < 5e-2, kind
+        exact = cls.from_pretrained(folder, dtype=torch.float32).cuda()(ids[None]).logits[0]
+        theirs = cls.from_pretrained(folder, dtype=torch.bfloat16).cuda()(ids[None]).logits[0].float()
+        ours_err, their_err = (((t - exact).norm() / exact.norm()).item() for t in (ours, theirs))
+        assert ours_err <= 2 * their_err + 2e-2, (kind, ours_err, their_err)
 
 
 def test_kv_bytes_per_token_is_what_the_latent_cache_holds(tiny):

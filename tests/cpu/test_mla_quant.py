@@ -4,6 +4,7 @@ equal those of transformers' model built from the same dequantized weights."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -148,8 +149,8 @@ def test_piecegraph_hf_load_of_the_fp8_folder_generates_the_same_tokens(folders)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
 def test_fp8_block_checkpoint_on_the_gpu_runs_dequantized_in_bf16_near_transformers(folders, caplog):
-    """On CUDA the MLA loader dequantizes too (one warning says so); prefill logits within bf16 rounding of
-    transformers' float32 model of the dequantized weights."""
+    """On CUDA the MLA loader dequantizes too (one warning says so); prefill logits as near transformers' float32
+    model of the dequantized weights as that model run in bf16 is (twice its error, plus 2%)."""
     from piecegraph.attention import AttentionMetadata, KVCache
     from piecegraph.context import forward_context
 
@@ -165,4 +166,6 @@ def test_fp8_block_checkpoint_on_the_gpu_runs_dequantized_in_bf16_near_transform
     with forward_context(meta):
         ours = model.logits(model(ids, meta.positions)).float().cpu()
     want = theirs(ids[None].cpu()).logits[0]
-    assert ((ours - want).norm() / want.norm()).item() < 5e-2
+    rounded = copy.deepcopy(theirs).to("cuda", torch.bfloat16)(ids[None]).logits[0].float().cpu()
+    ours_err, their_err = (((t - want).norm() / want.norm()).item() for t in (ours, rounded))
+    assert ours_err <= 2 * their_err + 2e-2, (ours_err, their_err)  # as near as transformers' own bf16 forward

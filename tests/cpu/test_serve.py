@@ -357,6 +357,8 @@ def test_gpu_bound_estimate_sums_prefill_and_decode_steps(model, monkeypatch):
     got = estimate([([1] * 30, 9)], 1, timer, budget=16)
     assert got["gpu_bound_output_tok_s"] == pytest.approx(9 / ((30 * 0.5 + 8 * 2.0) / 1e3))
     assert estimate([([1] * 30, 9)] * 4, 2, timer, 16)["decode_rows"] == 2
+    cached = estimate([([1] * 30, 9)], 1, timer, 16, cached_tokens=20)  # a prefix-cache hit is not prefilled
+    assert cached["gpu_bound_output_tok_s"] == pytest.approx(9 / ((10 * 0.5 + 8 * 2.0) / 1e3))
 
     engine = Engine(model, _config("auto", num_pages=15))
     picked = []
