@@ -223,22 +223,29 @@ class FlashInferBackend:
         self.replans += 1
 
     # -- CUDA graphs (mode="full", pure decode steps) ---------------------------------------------------
-    def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+    def _graph_step(self, meta: AttentionMetadata, size: int) -> tuple[Any, tuple[dict, dict] | None]:
+        """The graph slot of ``size`` and ``meta``'s decode layout padded to ``size`` rows, as ``page_layout``'s
+        ``(dev, cpu)`` tables; ``None`` for the tables when the slot holds this step already (capture, then
+        replay). Pad rows: one scratch page each, written at position 0 by their own batch row, never a real page."""
         n = meta.num_tokens
         if n > size:
             raise ValueError(f"a decode step of {n} sequences does not fit a CUDA graph of size {size}")
         graph = self._graphs.get(size) or self._new_graph(meta.cache, size)
         if graph.last is not None and graph.last[0]() is meta:
-            return graph.last[1]  # this step is what the size's wrapper holds already (capture, then replay)
-        cache, layout = meta.cache, _layout(meta)
-        pad = size - n
-        # Pad rows: one scratch page each, written at position 0 by their own batch row, never a real page.
+            return graph, None
+        cache, layout, pad = meta.cache, _layout(meta), size - n
         padded = BatchLayout(
             seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(1,) * size,
             kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
             page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
         )
-        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+        return graph, page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+
+    def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        graph, tables = self._graph_step(meta, size)
+        if tables is None:
+            return graph.last[1]
+        (dev, cpu), cache, pad = tables, meta.cache, size - meta.num_tokens
         head = (cpu["qo_indptr"],) if self._split_dims else ()
         args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu, prefill=self._split_dims))

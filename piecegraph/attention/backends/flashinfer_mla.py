@@ -50,7 +50,6 @@ from piecegraph.attention.backends.flashinfer import (
 from piecegraph.attention.backends.flashinfer_layout import page_layout
 from piecegraph.attention.backends.torch_mla import Indexer, TorchMLABackend, write_latents
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
-from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache, index_head_dim, v_head_dim
 
 MAX_WORKS = 16384  # FlashInfer 0.5.3's MLAPlan work-list capacity (max_total_num_works)
@@ -146,19 +145,10 @@ class FlashInferMLABackend(FlashInferBackend):
 
     # -- CUDA graphs (mode="full", pure decode steps) ---------------------------------------------------
     def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
-        n = meta.num_tokens
-        if n > size:
-            raise ValueError(f"a decode step of {n} sequences does not fit a CUDA graph of size {size}")
-        graph = self._graphs.get(size) or self._new_graph(meta.cache, size)
-        if graph.last is not None and graph.last[0]() is meta:
+        graph, tables = self._graph_step(meta, size)
+        if tables is None:
             return graph.last[1]
-        cache, layout, pad = meta.cache, _layout(meta), size - n
-        padded = BatchLayout(  # pad rows: one scratch page each, at position 0, never a real page
-            seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(1,) * size,
-            kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
-            page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
-        )
-        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+        (dev, cpu), cache, pad = tables, meta.cache, size - meta.num_tokens
         plan = graph.plan
         plan.args = (_plain(cpu["qo_indptr"]), cpu["kv_indptr"], dev["kv_indices"], _plain(cpu["seq_lens"]))
         scale = self.scale or plan.scale or (self.rank + self.rope) ** -0.5  # re-planned if the op's differs
