@@ -122,7 +122,9 @@ class TorchMLABackend(TorchBackend):
                       index_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One dense group ``[B, Q, H, *]``, in batch slices whose gathered keys and float32 scores stay within
         :data:`SCORE_BUDGET` (a loop over slices, not rows): the output ``[B, Q, H, R]`` and, with ``index``,
-        this layer's DSA choice (bool ``[B, Q, 1, L]``); ``reused``: an earlier layer's choice."""
+        this layer's DSA choice (key positions ``[B, Q, k]``); ``reused``: an earlier layer's choice. A decode
+        step (``Q == 1``) with a choice reads only the chosen keys' latents (:func:`_attend_chosen`); a prefill
+        group masks the others out."""
         batch, queries, heads = qn.shape[:3]
         length = pages.shape[1] * cache.page_size
         width = max(heads, index[0].shape[2] if index is not None else 0)
@@ -136,8 +138,12 @@ class TorchMLABackend(TorchBackend):
                 keys = cache.index_k[layer][table].view(n, length, -1)
                 picks.append(_select(index[0][part], index[1][part], keys, m, topk, index_scale))
             choice = picks[-1] if index is not None else None if reused is None else reused[part]
+            if choice is not None and queries == 1:
+                outs.append(_attend_chosen(cache, layer, table, qn[part], qp[part], m, choice, scale))
+                continue
             if choice is not None:
-                m = m.masked_fill(~choice, float("-inf"))
+                chosen = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, choice.unsqueeze(2), True)
+                m = m.masked_fill(~chosen, float("-inf"))
             latent = cache.k[layer][table].view(n, length, -1)
             rope = cache.v[layer][table].view(n, length, -1)
             outs.append(_attend_chunks(qn[part], qp[part], latent, rope, m, scale))
@@ -194,21 +200,35 @@ def _attend_chunks(qn: torch.Tensor, qp: torch.Tensor, latent: torch.Tensor, rop
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def _attend_chosen(cache: PagedCache, layer: int, table: torch.Tensor, qn: torch.Tensor, qp: torch.Tensor,
+                   mask: torch.Tensor, choice: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode over DSA's chosen keys only: ``choice`` ``[B, 1, k]`` key positions (in the rows of ``table``
+    ``[B, W]``) are read straight from the cache's pages, with their ``mask`` ``[B, 1, 1, L]`` entries (a choice
+    among fewer than ``k`` causal keys includes masked ones, which stay masked). ``[B, 1, H, R]``."""
+    page_size = cache.page_size
+    pos = choice.squeeze(1)  # [B, k]
+    slots = table.gather(1, pos // page_size) * page_size + pos % page_size
+    latent = cache.k[layer].view(-1, cache.k[layer].shape[-1])[slots]  # [B, k, R]
+    rope = cache.v[layer].view(-1, cache.v[layer].shape[-1])[slots]
+    return _attend_chunks(qn, qp, latent, rope, mask.gather(-1, choice.unsqueeze(2)), scale)
+
+
 def _select(iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, topk: int,
             scale: float) -> torch.Tensor:
-    """DSA's choice (bool ``[B, Q, 1, L]``): per query the ``topk`` causal keys of the highest index score
-    ``sum_h w * relu(scale * iq . key)`` (float32; every causal key when there are no more than ``topk``).
-    ``iq`` ``[B, Q, Hi, Di]``, ``w`` ``[B, Q, Hi, 1]``, ``keys`` ``[B, L, Di]``, ``mask`` its causal mask."""
+    """DSA's choice (key positions ``[B, Q, min(topk, L)]``): per query the ``topk`` causal keys of the highest
+    index score ``sum_h w * relu(scale * iq . key)`` (float32; every causal key when there are no more than
+    ``topk``, with masked ones filling the rest). ``iq`` ``[B, Q, Hi, Di]``, ``w`` ``[B, Q, Hi, 1]``, ``keys``
+    ``[B, L, Di]``, ``mask`` its causal mask."""
     batch, queries, heads, _ = iq.shape
     length = keys.shape[1]
     iq, w, keys_t = iq.float(), w.float(), keys.float().transpose(1, 2)
     step = _chunk(batch, queries, heads, length)
-    chosen = torch.zeros(batch, queries, 1, length, dtype=torch.bool, device=keys.device)
     k = min(topk, length)
+    chosen = torch.empty(batch, queries, k, dtype=torch.int64, device=keys.device)
     for start in range(0, queries, step):
         end = min(queries, start + step)
         dots = torch.bmm(iq[:, start:end].reshape(batch, -1, iq.shape[-1]), keys_t)
         dots = torch.relu(dots.view(batch, end - start, heads, length) * scale)
-        score = (dots * w[:, start:end]).sum(dim=2, keepdim=True) + mask[:, start:end]  # [B, q, 1, L]
-        chosen[:, start:end].scatter_(-1, score.topk(k, dim=-1).indices, True)
+        score = (dots * w[:, start:end]).sum(dim=2) + mask[:, start:end, 0]  # [B, q, L]
+        chosen[:, start:end] = score.topk(k, dim=-1).indices
     return chosen
