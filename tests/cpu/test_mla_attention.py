@@ -280,3 +280,26 @@ def test_flashinfer_mla_backend_plans_what_its_kernel_reads(fake_flashinfer_mla,
         warnings.simplefilter("always")
         _run(steps, seed=3, topk=topk, backend=FlashInferMLABackend, graph=2)
     assert bool(topk) == any("torch gather path" in str(w.message) for w in caught)
+
+
+def test_flashinfer_mla_runs_dsa_steps_within_topk_on_its_dense_kernel(fake_flashinfer_mla, monkeypatch):
+    """A DSA layer's eager step whose sequences hold at most topk keys runs the (stand-in) FlashInfer kernel, equal
+    to the reference; the step after, with a longer sequence, runs the torch path (said); a full graph's decode
+    metadata always does."""
+    from piecegraph.attention.backends.flashinfer_mla import FlashInferMLABackend
+
+    kernel_rows = []
+    real_run = FakeMLAWrapper.run
+    monkeypatch.setattr(FakeMLAWrapper, "run", lambda self, qn, *a, **k: (kernel_rows.append(qn.shape[0]),
+                                                                          real_run(self, qn, *a, **k))[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run([[("p", 7), ("q", 3)], [("p", 1), ("q", 1)]], seed=5, topk=8, backend=FlashInferMLABackend)
+    assert kernel_rows == [10, 10, 2, 2] and not any("torch gather path" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run([[("p", 8)], [("p", 1)]], seed=5, topk=8, backend=FlashInferMLABackend)
+    assert any("torch gather path" in str(w.message) for w in caught)  # 9 keys > topk 8 in the second step
+    kernel_rows.clear()
+    _run([[("p", 3)], [("p", 1)]], seed=6, topk=8, backend=FlashInferMLABackend, graph=2)
+    assert kernel_rows == [3, 3]  # the prefill only: the graph's decode step takes the torch path

@@ -22,10 +22,12 @@ Read from FlashInfer 0.5.3's ``flashinfer/mla.py`` and ``include/flashinfer/atte
 - Kernels are instantiated for ``head_dim_ckv`` 512 / ``head_dim_kpe`` 64 (DeepSeek-V2/V3, Kimi-K2, GLM-5) and
   16-bit dtypes; :func:`~piecegraph.attention.backends.flashinfer_mla_available` sends others to the torch backend.
 
-DSA (``topk > 0``) has no kernel here: those layers run the torch gather path
+DSA (``topk > 0``) has no sparse kernel here. A step run eagerly (eager and piecewise modes: the attention op runs
+between the pieces) whose sequences hold at most ``topk`` keys each runs FlashInfer's dense kernel, which equals DSA
+there (every causal key is chosen); other steps run the torch gather path
 (:class:`~piecegraph.attention.backends.torch_mla.TorchMLABackend`, whose per-step plan this backend also makes
-when the cache has an indexer), said once. The path is fixed per layer kind, never per step, so a full CUDA
-graph captured at one context length replays correctly at another.
+when the cache has an indexer), said once. A full CUDA graph always takes the torch path, so one captured at one
+context length replays correctly at another.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class FlashInferMLABackend(FlashInferBackend):
             raise ValueError(f"flashinfer MLA: q_nope/q_pe are {q_nope.dtype}/{q_pe.dtype} but the KV cache is "
                              f"{cache.dtype}; build the cache with dtype={q_nope.dtype}")
         write_latents(cache, layer, meta.slot_mapping, ckv, kpe, index_k)
-        if topk > 0 or plan.too_large:
+        if (topk > 0 and not self._dense_equivalent(plan, topk)) or plan.too_large:
             self._note("DSA layers (topk > 0) run on the torch gather path: FlashInfer has no sparse MLA kernel "
                        "here" if topk > 0 else
                        "a step too large for one FlashInfer MLA plan (its 16384-item work list) runs on the torch path")
@@ -205,6 +207,12 @@ class FlashInferMLABackend(FlashInferBackend):
                               cache.v[layer].view(pages, ps, self.rope), out=target)
         if target is not out:
             out.copy_(target)
+
+    def _dense_equivalent(self, plan: MLAPlan, topk: int) -> bool:
+        """Whether a DSA layer may run FlashInfer's dense kernel this step: no sequence holds more than ``topk``
+        keys (DSA then chooses every causal key), and the step runs eagerly (a piecewise step's attention does;
+        a full graph keeps the torch path, which replays right at any length)."""
+        return not plan.graph and not self._capturing() and max(plan.layout.kv_lens, default=0) <= topk
 
     def _groups(self, meta: AttentionMetadata, plan: MLAPlan) -> tuple:
         """The torch path's groups of a non-decode step (planned now if the step's plan has none)."""
