@@ -154,8 +154,14 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self._assemble(config, Model(config))
+
+    def _assemble(self, config: ModelConfig, model: nn.Module) -> None:
+        """Every decoder's parts: ``config``, the ``model.`` submodule (embeddings, layers, final norm) and
+        ``lm_head``, tied to ``model.embed_tokens`` when the config says so. Subclasses with other layers call it
+        from their ``__init__`` after ``nn.Module.__init__`` (this class's would build the dense model)."""
         self.config = config
-        self.model = Model(config)
+        self.model = model
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

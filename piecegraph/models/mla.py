@@ -248,11 +248,7 @@ class MLADecoder(Decoder):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"MLADecoder needs an MLAConfig, got {type(config).__name__}")
         nn.Module.__init__(self)  # not Decoder's: it would build the dense model
-        self.config = config
-        self.model = MLAModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._assemble(config, MLAModel(config))
 
     def facts(self) -> ModelFacts:
         """As :meth:`Decoder.facts`, with the routed experts top-k reaches (``num_experts``, ``top_k``)."""

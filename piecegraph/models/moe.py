@@ -186,11 +186,7 @@ class MoEDecoder(Decoder):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoEDecoder needs a MoEConfig, got {type(config).__name__} (use Decoder for dense)")
         nn.Module.__init__(self)  # not Decoder's: it would build the dense model
-        self.config = config
-        self.model = MoEModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._assemble(config, MoEModel(config))
 
     def facts(self) -> ModelFacts:
         """As :meth:`Decoder.facts`, with the experts top-k routing reaches (``num_experts``, ``top_k``)."""
