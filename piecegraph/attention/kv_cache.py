@@ -23,7 +23,7 @@ import torch
 from piecegraph.attention.backends import resolve_backend
 from piecegraph.attention.metadata import to_device
 from piecegraph.attention.pages import DEFAULT_PAGE_SIZE, SCRATCH_PAGE, pages_for
-from piecegraph.attention.types import CacheShape, index_head_dim, is_mla, v_head_dim
+from piecegraph.attention.types import CacheShape, index_head_dim, indexed_layers, is_mla, v_head_dim
 from piecegraph.program import describe
 
 __all__ = ["DEFAULT_PAGE_SIZE", "SCRATCH_PAGE", "KVCache", "OutOfPagesError", "PageKeeper", "pages_for"]
@@ -96,9 +96,11 @@ class KVCache:
         self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         self.v_head_dim, self.index_head_dim = v_head_dim(config), index_head_dim(config)
         self.k, self.v = _key_value_pages(config, num_pages, page_size, dtype, torch.device(device))
-        # a DSA indexer's keys, one per token (same pages); none without an indexer
-        self.index_k = [torch.zeros(num_pages, page_size, self.index_head_dim, dtype=dtype, device=device)
-                        for _ in range(config.num_layers if self.index_head_dim else 0)]
+        # a DSA indexer's keys, one per token (same pages), in the layers whose indexer keeps them; an empty
+        # tensor in a layer that shares an earlier layer's choice (a write there fails loudly); none without one
+        kept = indexed_layers(config)
+        self.index_k = [torch.zeros(num_pages if i in kept else 0, page_size, self.index_head_dim, dtype=dtype,
+                                    device=device) for i in range(config.num_layers if kept else 0)]
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # popped from the end: low pages first
         self._refs = [0] * num_pages  # sequences holding each page (a shared prefix page: several)
         self.keeper: PageKeeper | None = None  # keeps unreferenced pages for reuse (a prefix cache); see attach

@@ -68,6 +68,10 @@ def _check(cache, n: int, total: int, layer: int, scale: float, topk: int, index
     if any(given) and not getattr(cache, "index_k", None):
         raise ValueError("mla_attention: index tensors were given but the KV cache has no indexer key cache "
                          "(build it from a config with index_head_dim > 0)")
+    if any(given) and not cache.index_k[layer].numel():
+        raise ValueError(f"mla_attention layer {layer}: index tensors were given, but the cache keeps no indexer keys "
+                         "for this layer (its config's indexer_types calls it 'shared'); build the cache from the "
+                         "model's config")
 
 
 def _mla_attention_fake(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,

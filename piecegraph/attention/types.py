@@ -69,6 +69,18 @@ def index_head_dim(config: CacheShape) -> int:
     return int(getattr(config, "index_head_dim", None) or 0)
 
 
+def indexed_layers(config: CacheShape) -> tuple[int, ...]:
+    """The layers whose DSA indexer caches its keys: none without an indexer; those ``"full"`` in
+    ``config.layer_indexer_types`` where the config has them (a ``"shared"`` layer reuses an earlier layer's
+    choice and keeps no keys); else every layer."""
+    if not index_head_dim(config):
+        return ()
+    types = getattr(config, "layer_indexer_types", None)
+    if not types:
+        return tuple(range(config.num_layers))
+    return tuple(i for i, kind in enumerate(types) if kind == "full")
+
+
 def is_mla(config: CacheShape) -> bool:
     """Whether ``config`` is a multi-head latent attention shape (``config.mla``; see :class:`CacheShape`)."""
     return bool(getattr(config, "mla", False))

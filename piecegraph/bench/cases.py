@@ -66,6 +66,8 @@ def decode_cache(facts: ModelFacts, batches: Sequence[int], context: int, backen
     cache.reserve([(i, context + 1) for i in range(max(batches))])
     gen = torch.Generator(device=device).manual_seed(0)
     for pages in (*cache.k, *cache.v, *getattr(cache, "index_k", ())):  # a DSA indexer's keys too: no ties
+        if not pages.numel():  # a layer that shares an earlier layer's DSA choice keeps no keys
+            continue
         pages.normal_(0, 1, generator=gen)
         pages[SCRATCH_PAGE].zero_()  # as the cache built it: pad rows of full graphs read zeros
     return cache

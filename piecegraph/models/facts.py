@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from piecegraph.attention.types import index_head_dim, is_mla, v_head_dim
+from piecegraph.attention.types import index_head_dim, indexed_layers, is_mla, v_head_dim
 from piecegraph.models.config import ModelConfig
 
 
@@ -57,14 +57,16 @@ class ModelFacts:
     def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
         """Bytes of k and v that one cached token holds across all layers, in ``cache_dtype`` (default
         :attr:`dtype`, what the caches the bench and the engine build hold). Needs :attr:`config`. An MLA config
-        (``config.mla``) caches one latent, one rotary key and the indexer's key per token for all heads:
-        ``num_layers * (head_dim + v_head_dim + index_head_dim)`` elements; any other, ``num_kv_heads`` keys and
-        values per layer, the values ``v_head_dim`` wide where the config says (DeepSeek-V2 run expanded)."""
+        (``config.mla``) caches one latent and one rotary key per token for all heads, and the indexer's key
+        in the layers that keep one (:func:`~piecegraph.attention.types.indexed_layers`):
+        ``num_layers * (head_dim + v_head_dim) + indexed layers * index_head_dim`` elements; any other,
+        ``num_kv_heads`` keys and values per layer, the values ``v_head_dim`` wide where the config says
+        (DeepSeek-V2 run expanded)."""
         c = self._shape()
         itemsize = (cache_dtype or self.dtype).itemsize
         k_dim, v_dim, index_dim = c.head_dim, v_head_dim(c), index_head_dim(c)
         if is_mla(c):
-            return c.num_layers * (k_dim + v_dim + index_dim) * itemsize
+            return (c.num_layers * (k_dim + v_dim) + len(indexed_layers(c)) * index_dim) * itemsize
         return c.num_layers * c.num_kv_heads * (k_dim + v_dim) * itemsize  # values may be narrower than keys
 
     def weight_bytes_read(self, tokens: int) -> int:

@@ -317,6 +317,8 @@ def test_kv_bytes_per_token_is_what_the_latent_cache_holds(tiny):
         cache = KVCache(model.config, num_pages=3, page_size=4)
         held = sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v, *getattr(cache, "index_k", [])])
         assert model.facts().kv_bytes_per_token() == held // (3 * 4), kind
+        for layer, kind_of_indexer in enumerate(getattr(model.config, "layer_indexer_types", ())):
+            assert bool(cache.index_k[layer].numel()) == (kind_of_indexer == "full"), (kind, layer)  # shared: none
         c = model.config
         expanded = c.num_layers * c.num_heads * (c.qk_head_dim + c.value_head_dim) * 4
         assert held // 12 < expanded / 2, kind
