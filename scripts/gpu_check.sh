@@ -149,14 +149,15 @@ if has fp8-moe; then  # an FP8 MoE block on FlashInfer's sm90 grouped GEMM (a me
     | tee "$OUT/fp8_moe_bench.log"
   ok "${PIPESTATUS[0]}"
 fi
-if has moe; then  # the FP8 MoE preset benched per mode, then served in FP8 and bf16
+if has moe; then  # the MoE preset benched per mode in bf16 and FP8 side by side (+ accuracy), then served in both
   MOE_MODEL=${MOE_MODEL:-qwen1.5-moe-a2.7b}
   # One process per group of modes (space-separated groups, commas within): a mode that loses the CUDA context
-  # cannot take the others with it.
+  # cannot take the others with it. Each builds the model once per quant and writes both quants' rows.
   for group in ${MOE_MODES:-eager,breakable,piecewise full-compiled auto}; do
-    python3 -m piecegraph.cli bench --model "$MOE_MODEL" --quant fp8 --device cuda --attention flashinfer \
-      --modes "$group" --batches "${BATCHES:-1,10,256,1024}" --prefill "${PREFILL:-16,512,2048}" \
-      --json "$(name "moe_fp8_bench_${group//,/-}")" 2>&1 | tee -a "$OUT/moe_bench.log"
+    python3 -m piecegraph.cli bench --model "$MOE_MODEL" --quant "${MOE_BENCH_QUANTS:-bf16,fp8}" --device cuda \
+      --attention flashinfer --modes "$group" --batches "${BATCHES:-1,10,256,1024}" \
+      --prefill "${PREFILL:-16,512,2048}" \
+      --json "$(name "moe_bf16_fp8_bench_${group//,/-}")" 2>&1 | tee -a "$OUT/moe_bench.log"
     ok "${PIPESTATUS[0]}"
   done
   for quant in ${MOE_QUANTS:-fp8 bf16}; do

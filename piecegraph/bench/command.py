@@ -55,6 +55,19 @@ def _modes(text: str, device: str, tp: int = 1) -> list[str]:
     return names
 
 
+def _quants(text: str) -> list[str]:
+    """``--quant``: one value or a comma list (``bf16,fp8``), each of ``QUANTS``, unrepeated; bf16 first (its
+    logits are the accuracy reference of the others)."""
+    from piecegraph.cli_common import QUANTS
+
+    names = list(dict.fromkeys(q.strip() for q in text.split(",") if q.strip()))
+    bad = [q for q in names if q not in QUANTS]
+    if bad or not names:
+        raise typer.BadParameter(f"{text!r}: one or more of {', '.join(QUANTS)}, comma-separated "
+                                 f"(unknown: {', '.join(bad) or 'none given'})", param_hint="--quant")
+    return sorted(names, key=lambda q: q != "bf16")
+
+
 def _profile_spec(text: str | None) -> tuple[str, int] | None:
     if not text:
         return None
@@ -69,8 +82,10 @@ def _profile_spec(text: str | None) -> tuple[str, int] | None:
 
 def bench(
     model: str = typer.Option("auto", help=MODEL_HELP),
-    quant: str = typer.Option("bf16", help="bf16 | fp8: the reference decoder's linears and experts in e4m3 "
-                              "(FlashInfer's FP8 GEMMs on sm90, torch elsewhere)"),
+    quant: str = typer.Option("bf16", help="bf16 | fp8 | bf16,fp8: the reference decoder's linears and experts in "
+                              "e4m3 (FlashInfer's FP8 GEMMs on sm90, torch elsewhere); a comma list builds the model "
+                              "once per value and writes every row, with its quant, into one result, plus each "
+                              "quantized model's accuracy against bf16 (teacher-forced logits)"),
     modes: str = typer.Option("all", help="comma-separated: eager,full,full-compiled,full-static,full-pieces,piecewise,"
                               "piecewise-static,breakable,auto,"
                               "torch.compile,reduce-overhead,graph-partition,baked-graph,meta-pcg,none "
@@ -92,10 +107,11 @@ def bench(
                            "for you), rank 0 reports; the JSON records the world size"),
 ) -> None:
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
+    from piecegraph.bench.accuracy import accuracy_row, teacher_forced_logits
     from piecegraph.bench.harness import environment
     from piecegraph.bench.profile import attention_op_us
     from piecegraph.bench.report import payload
-    from piecegraph.bench.sweep import run_sweep
+    from piecegraph.bench.sweep import SweepResult, run_sweep
     from piecegraph.models import model_facts
     from piecegraph.results.schema import write_result
 
@@ -107,58 +123,118 @@ def bench(
     if not batch_list:
         raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
     mode_list, spec = _modes(modes, device, tp), _profile_spec(profile)
+    quants = _quants(quant)
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
     reports = run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
-    net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=quant), run)
-    facts = model_facts(net)  # asked once, after sharding: every stage below reads these
-    _check_backend(facts, backend, net)
-    op_us = attention_op_us(facts, backend, context)  # before the sweep: a sweep cut short still records it
     partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
+    done, accuracy, extra = SweepResult([]), [], {}  # the quants finished; their accuracy rows; expert tables
+    reference = None  # the unquantized model's teacher-forced logits
 
     def env_of(result: Any) -> dict[str, Any]:  # attention: the backend the caches resolved --attention to
         ranks = run.facts()
         return environment(facts, model, result.bandwidth_gbs, attention=result.attention_backend or backend,
-                           quant=quant, world_size=ranks["world_size"], attention_option=attention,
+                           quant=",".join(quants), world_size=ranks["world_size"], attention_option=attention,
                            context=context, repeats=repeats, batches=batch_list, prefill=prefill_list,
                            modes=mode_list, inductor_graph_partition=partition_default,
                            tp_backend=ranks["tp_backend"])
 
     def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
         if json_path and reports:
+            result = _merged(done, result, q if len(quants) > 1 else None)
             data = payload({**env_of(result), "partial": True}, result.rows, result.modes, attention_op_us=op_us)
-            write_result(json_path, **data)
+            write_result(json_path, **{**data, "rows": data["rows"] + accuracy, **extra})
 
     def log(line: str) -> None:  # plain: reasons and tracebacks hold brackets that rich would read as markup
         if reports:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    # A quantized model is also judged against its weights unquantized (seeded: the same random weights); not
-    # kept here, so the sweep frees it after its references
-    result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
-                       on_mode=save_partial, attention=backend, keep_going=run.solo,
-                       float_model=load_model(model, device, dtype, hf=hf) if quant != "bf16" and run.solo else None,
-                       facts=facts)
-    profiled = _run_profile(net, facts, spec, context, backend, reports) if spec else None
+    profiled = None
+    for q in quants:  # one model at a time: the A2.7B shape is 28.6 GB in bf16
+        net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=q), run)
+        facts = model_facts(net)  # asked once, after sharding: every stage below reads these
+        if q == quants[0]:
+            _check_backend(facts, backend, net)
+            op_us = attention_op_us(facts, backend, context)  # before the sweep: a sweep cut short still records it
+        if _expert_tables(net):
+            extra.setdefault("expert_kernels", {})[q] = _expert_tables(net)
+        # A quantized model alone is also judged against its weights unquantized (seeded: the same random
+        # weights); not kept here, so the sweep frees it after its references. With bf16 in the run, the bf16
+        # rows and the accuracy row say that instead, and no second model is resident.
+        alone = q != "bf16" and run.solo and "bf16" not in quants
+        if run.solo and "bf16" in quants and len(quants) > 1 and hasattr(net, "logits"):  # a reference decoder
+            if q == "bf16":  # first in the run
+                reference = teacher_forced_logits(net, facts, backend=backend)
+            else:
+                accuracy.append(accuracy_row(q, teacher_forced_logits(net, facts, backend=backend), reference))
+                log(_accuracy_line(accuracy[-1]))
+        result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
+                           on_mode=save_partial, attention=backend, keep_going=run.solo,
+                           float_model=load_model(model, device, dtype, hf=hf) if alone else None, facts=facts)
+        done = _merged(done, result, q if len(quants) > 1 else None)
+        if spec and q == quants[-1]:
+            profiled = _run_profile(net, facts, spec, context, backend, reports)
+        del net, result
+        _free_device(device)
     if reports:
-        _report(env_of(result), result, model, op_us, profiled, json_path, plot_path)
+        _report(env_of(done), done, model, op_us, profiled, json_path, plot_path, accuracy, extra)
     run.finish()
 
 
+def _merged(done: Any, result: Any, quant: str | None) -> Any:
+    """``done``'s rows and setup facts, then ``result``'s labelled with ``quant`` (a run of several --quant
+    values: each row's ``quant``, setup keys ``"<mode> <quant>"``); the bandwidth and backend are ``result``'s."""
+    from piecegraph.bench.sweep import SweepResult
+
+    for row in result.rows:
+        row.quant = quant
+    modes = {(m if quant is None else f"{m} {quant}"): f for m, f in result.modes.items()}
+    return SweepResult(done.rows + result.rows, {**done.modes, **modes}, result.bandwidth_gbs,
+                       result.attention_backend)
+
+
+def _expert_tables(net: torch.nn.Module) -> list[dict[str, Any]]:
+    """The FP8 experts' measured choice per token count (:meth:`FP8Experts.kernel_table`; every layer shares
+    its shape's), or ``[]``."""
+    for module in net.modules():
+        if hasattr(module, "kernel_table") and module.kernel_table():
+            return module.kernel_table()
+    return []
+
+
+def _free_device(device: str) -> None:
+    """The finished model's memory back before the next one builds."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _accuracy_line(row: dict[str, Any]) -> str:
+    """One accuracy row (:func:`piecegraph.bench.accuracy.accuracy_row`) for the log."""
+    return (f"accuracy {row['quant']} vs {row['against']}: logits rel err {row['logits_rel_err']:.2e}, top-1 "
+            f"agreement {row['top1_agreement']:.1%} over {row['tokens']} teacher-forced tokens")
+
+
 def _report(env: dict[str, Any], result: Any, model: str, op_us: Any, profiled: Any, json_path: Path | None,
-            plot_path: Path | None) -> None:
-    """The sweep's table, the attention op's cost, the compact summary; then the JSON and the PNG if asked."""
+            plot_path: Path | None, accuracy: list[dict[str, Any]] | None = None,
+            extra: dict[str, Any] | None = None) -> None:
+    """The sweep's table, the attention op's cost, the compact summary; then the JSON and the PNG if asked.
+    ``accuracy``: rows appended to the result's; ``extra``: more top-level keys (``expert_kernels``)."""
     from piecegraph.bench.report import compact, payload, rich_table
     from piecegraph.results.schema import write_result
 
     context, tp = env["context"], env.get("world_size", 1)
-    quant, ranks = " fp8" if env.get("quant") == "fp8" else "", f" x{tp} (tp)" if tp > 1 else ""
+    quant = "" if env.get("quant") in (None, "bf16") else f" {env['quant']}"
+    ranks = f" x{tp} (tp)" if tp > 1 else ""
     console.print(rich_table(result.rows, f"{model} {env['dtype']}{quant} on {env['gpu']}{ranks}"
                                           f", torch {env['torch']}, {env['attention']} attention, "
                                           f"context {context}"))
     console.print(_op_table(op_us, env["attention"]))
     data = payload(env, result.rows, result.modes, profiled, attention_op_us=op_us)
+    data = {**data, "rows": data["rows"] + (accuracy or []), **(extra or {})}
     console.print(compact(data), markup=False, highlight=False, soft_wrap=True)
     if json_path:
         write_result(json_path, **data)

@@ -41,14 +41,15 @@ class Row:
     seqs: int | None = None  # prefill: sequences packed into the batch
     skipped: str | None = None
     note: str | None = None
+    quant: str | None = None  # a run of several --quant values: the model's quantization on this row
 
     def to_json(self) -> dict[str, Any]:
         key = "batch" if self.phase == "decode" else "tokens"
         out: dict[str, Any] = {"mode": self.mode, "phase": self.phase, key: self.size}
         for name in ("ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err", "rel_err_float", "seqs",
-                     "skipped", "note"):
+                     "skipped", "note", "quant"):
             value = getattr(self, name)
-            if name in ("rel_err_float", "seqs", "skipped", "note") and value is None:
+            if name in ("rel_err_float", "seqs", "skipped", "note", "quant") and value is None:
                 continue  # optional keys appear only when they say something
             out[name] = value
         return out

@@ -16,10 +16,11 @@ _PANELS = (("decode", "decode batch (sequences)"), ("prefill", "prefill tokens (
 
 
 def _series(rows: Sequence[Row], phase: str) -> dict[str, tuple[list[int], list[float]]]:
-    """Measured points per mode for one phase, sorted by size; skipped rows leave gaps, not zeros."""
+    """Measured points per mode (and quantization, in a run of several) for one phase, sorted by size; skipped
+    rows leave gaps, not zeros."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for r in sorted((r for r in rows if r.phase == phase and r.ms), key=lambda r: r.size):
-        xs, ys = series.setdefault(r.mode, ([], []))
+        xs, ys = series.setdefault(r.mode if r.quant is None else f"{r.mode} {r.quant}", ([], []))
         xs.append(r.size)
         ys.append(r.ms)
     return series
@@ -49,7 +50,7 @@ def plot(rows: Sequence[Row], path: Path, title: str = "") -> Path:
 
 def _draw(ax: Any, series: dict[str, tuple[list[int], list[float]]], xlabel: str) -> None:
     for mode, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=mode, linestyle="--" if mode == "eager" else "-")
+        ax.plot(xs, ys, marker="o", label=mode, linestyle="--" if mode.split()[0] == "eager" else "-")
     if series:
         from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
@@ -74,7 +75,8 @@ def plot_result(result: Result, path: Path) -> Path:
     throughput, TTFT and ITL by concurrency. Raises ``ValueError`` for any other benchmark (nothing to draw)."""
     env = result.env
     if result.benchmark == "bench":
-        return plot([Row.from_json(r) for r in result.rows], path,
+        timed = [Row.from_json(r) for r in result.rows if r.get("phase") in ("decode", "prefill")]  # no accuracy
+        return plot(timed, path,
                     title=f"{env.get('model')} {env.get('dtype')}, {env.get('gpu')}, torch {env.get('torch')}, "
                           f"{env.get('attention') or '?'} attention")
     if result.benchmark == "serve-bench":

@@ -12,10 +12,14 @@ readers of committed results) with ``benchmark`` ``"bench"``::
              "tp_backend", "partial"?},
      "rows": [{"mode", "phase", "batch" | "tokens", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib",
                "rel_err", "rel_err_float"? (--quant: against the unquantized weights), "seqs"?, "skipped"?,
-               "note"?}],
-     "setup": {"<mode>": {"setup_s", "capture_s", "pool_mib", "pieces", "sizes", ...} | {"skipped": reason}},
+               "note"?, "quant"? (a run of several --quant values)},
+              {"key": "accuracy", "phase": "accuracy", "quant", "against", "tokens", "logits_rel_err",
+               "logits_rel_err_max", "top1_agreement", ...}? (one per quantized model: piecegraph.bench.accuracy)],
+     "setup": {"<mode>" ("<mode> <quant>" in a run of several --quant values): {"setup_s", "capture_s",
+               "pool_mib", "pieces", "sizes", ...} | {"skipped": reason}},
      "attention_op_us": {"decode_1", "prefill_512", "failed"?: {case: reason}},
-     "profile": {...}?}
+     "profile": {...}?,
+     "expert_kernels": {"<quant>": [{"tokens", "kernel", "fp8_us", "dense_us"}]}? (FP8Experts.kernel_table)}
 """
 
 from __future__ import annotations
@@ -36,24 +40,31 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _eager_ms(rows: Sequence[Row]) -> dict[tuple[str, int], float]:
-    return {(r.phase, r.size): r.ms for r in rows if r.mode == "eager" and r.ms}
+def _eager_ms(rows: Sequence[Row]) -> dict[tuple[str, int, str | None], float]:
+    return {(r.phase, r.size, r.quant): r.ms for r in rows if r.mode == "eager" and r.ms}
+
+
+def mode_label(row: dict[str, Any]) -> str:
+    """A JSON row's column in :func:`compact` and its key under ``setup``: the mode, with the quantization in a
+    run of several (``"piecewise fp8"``)."""
+    return row["mode"] if row.get("quant") is None else f"{row['mode']} {row['quant']}"
 
 
 def rich_table(rows: Sequence[Row], title: str) -> Table:
     """Every row, grouped by phase and size, with the speed-up over eager and the skip reasons."""
     table = Table(title=title)
     floats = any(r.rel_err_float is not None for r in rows)  # a quantized model: also against its float weights
-    for col in ("phase", "size", "mode", "ms", "tok/s", "x eager", "HBM floor", "rel err",
-                *(("vs unquantized",) if floats else ()), "setup s", "pool MiB"):
-        table.add_column(col, justify="left" if col in ("phase", "mode") else "right")
+    quants = any(r.quant is not None for r in rows)  # a run of several --quant values: which one each row is
+    for col in ("phase", "size", "mode", *(("quant",) if quants else ()), "ms", "tok/s", "x eager", "HBM floor",
+                "rel err", *(("vs unquantized",) if floats else ()), "setup s", "pool MiB"):
+        table.add_column(col, justify="left" if col in ("phase", "mode", "quant") else "right")
     table.add_column("note", justify="left", overflow="fold", max_width=48)
     eager = _eager_ms(rows)
     for r in sorted(rows, key=lambda r: (r.phase != "decode", r.size)):
-        base = eager.get((r.phase, r.size))
+        base = eager.get((r.phase, r.size, r.quant))
         ratio = f"{base / r.ms:.1f}" if base and r.ms else "-"
-        table.add_row(r.phase, str(r.size), r.mode, _fmt(r.ms, ".3f"), _fmt(r.tok_s, ",.0f"), ratio,
-                      _fmt(r.hbm_frac, ".1%"), _fmt(r.rel_err, ".1e"),
+        table.add_row(r.phase, str(r.size), r.mode, *((r.quant or "",) if quants else ()), _fmt(r.ms, ".3f"),
+                      _fmt(r.tok_s, ",.0f"), ratio, _fmt(r.hbm_frac, ".1%"), _fmt(r.rel_err, ".1e"),
                       *((_fmt(r.rel_err_float, ".1e"),) if floats else ()), _fmt(r.setup_s, ".1f"),
                       _fmt(r.pool_mib, ".0f"), r.skipped or r.note or "")
     return table
@@ -77,10 +88,11 @@ def compact(data: dict[str, Any]) -> str:
 
     Plain text on purpose: it goes into logs and closing notes, where a rich table's box drawing gets mangled.
     """
-    rows = data["rows"]
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    accuracy = [r for r in data["rows"] if r.get("phase") == "accuracy"]  # quantized vs unquantized logits
+    rows = [r for r in data["rows"] if r.get("phase") != "accuracy"]
+    modes = list(dict.fromkeys(mode_label(r) for r in rows))
     keys = list(dict.fromkeys((r["phase"], r.get("batch", r.get("tokens"))) for r in rows))
-    cell = {(r["phase"], r.get("batch", r.get("tokens")), r["mode"]): r for r in rows}
+    cell = {(r["phase"], r.get("batch", r.get("tokens")), mode_label(r)): r for r in rows}
     width = max(9, *(len(m) + 1 for m in modes))
     env = data.get("env", {})
     title = (f"ms per step, median ({env.get('gpu')}, torch {env.get('torch')}, {env.get('model')} "
@@ -97,6 +109,10 @@ def compact(data: dict[str, Any]) -> str:
     facts = data.get("setup", {})
     for label, key, spec in (("setup s", "setup_s", ".1f"), ("pool MiB", "pool_mib", ".0f")):
         lines.append(f"{label:14s}" + "".join(f"{_fmt(facts.get(m, {}).get(key), spec):>{width}s}" for m in modes))
+    for r in accuracy:
+        lines.append(f"accuracy {r['quant']} vs {r['against']} over {r['tokens']} teacher-forced tokens: logits "
+                     f"rel err {r['logits_rel_err']:.2e} (worst token {r['logits_rel_err_max']:.2e}), top-1 "
+                     f"agreement {r['top1_agreement']:.1%}")
     op_us = data.get("attention_op_us") or {}
     if op_us:
         cells = [f"{k} {'-' if v is None else format(v, '.1f')}" for k, v in op_us.items() if k != "failed"]

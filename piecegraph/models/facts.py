@@ -87,6 +87,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _alternates(model: nn.Module) -> set[int]:
+    """Tensors a module keeps as another form of its weights, read instead of them at some token counts (named in
+    its ``piecegraph_alternate_buffers``: FP8 experts' model-dtype fallback). Held, so counted in
+    ``weight_bytes``; a step's reads count the primary form only, so a bandwidth fraction is never overstated."""
+    return {id(t) for m in model.modules() for name in getattr(m, "piecegraph_alternate_buffers", ())
+            if isinstance(t := getattr(m, name, None), torch.Tensor)}
+
+
 def measure(model: nn.Module, config: ModelConfig | None, num_experts: int = 0, top_k: int = 0) -> ModelFacts:
     """The :class:`ModelFacts` of ``model`` with the KV cache shape ``config``; ``num_experts`` and ``top_k``
     describe its mixture of experts (0: dense), whose weights are the tensors named ``.experts.`` (each layer's
@@ -100,7 +108,7 @@ def measure(model: nn.Module, config: ModelConfig | None, num_experts: int = 0, 
     embed = getattr(inner, "embed_tokens", None)
     if inner is None or embed is None:
         return ModelFacts(**common, fixed_read_bytes=sum(_nbytes(p) for p in model.parameters()))
-    skip = {id(p) for p in embed.parameters()}
+    skip = {id(p) for p in embed.parameters()} | _alternates(model)
     fixed = experts = 0
     for name, t in (*inner.named_parameters(), *inner.named_buffers()):
         if id(t) in skip or not t.is_floating_point():

@@ -9,7 +9,9 @@ MLPs and experts into FP8 modules built from the same weights.
 - GEMMs (``kernel``): ``"flashinfer"`` runs ``flashinfer.bmm_fp8`` (cuBLAS) for the linears and
   ``flashinfer.SegmentGEMMWrapper.run`` (CUTLASS grouped GEMM, sm90) for the experts, with unit scales, the row and
   weight scales applied after in torch; ``"torch"`` multiplies the same e4m3 values in float32 (CPU, and the
-  reference). Nothing here is adapted by hand: piecegraph's automatic opaque wraps both FlashInfer entries.
+  reference). Nothing here is adapted by hand: piecegraph's automatic opaque wraps both FlashInfer entries. The
+  experts have one more kernel, ``"scaled_grouped_mm"`` (per-channel weight scales, FP8 or bf16 per token count by
+  measurement; the default on sm90): :mod:`piecegraph.models.fp8_grouped`.
 
 Error bound (tested): with ``|dx| <= 2^-4 |x|`` and ``|dw| <= 2^-4 |w|`` elementwise (round to nearest, 3 mantissa
 bits; plus half the subnormal step, ``2^-10`` of the scale), each output of an FP8 GEMM is within

@@ -429,3 +429,55 @@ def test_weight_bytes_read_counts_fp8_weight_buffers_and_only_the_experts_routin
         unread = c.num_layers * (c.num_experts - c.top_k) * (expert * item + scales)
         assert everything - one_row == unread + (c.num_experts - 1) * row, quant
         assert everything > c.num_layers * c.num_experts * expert * item, quant  # all experts, the rest on top
+
+
+def _logits_one_sequence_at_a_time(model, ids, lengths):
+    """Each sequence alone on its own cache (no packing): the reference for the bench's teacher-forced logits."""
+    out, start = [], 0
+    for n in lengths:
+        cache = KVCache.for_sequences(model.config, 1, n, page_size=4)
+        meta = AttentionMetadata.for_batch(cache, [(0, 0, n)])
+        with torch.no_grad(), forward_context(meta):
+            out.append(model.logits(model(ids[start:start + n], meta.positions)).float())
+        start += n
+    return torch.cat(out)
+
+
+def test_a_comma_list_of_quants_benches_each_model_once_into_one_result_with_accuracy(tmp_path, monkeypatch):
+    """``--quant bf16,fp8``: one model per quant (no float twin), every row labelled with its quant, setup facts
+    per mode and quant, and one accuracy row: the FP8 model's teacher-forced logits against the bf16 model's,
+    checked against each sequence run alone."""
+    from piecegraph.bench import accuracy as bench_accuracy
+    from piecegraph.bench.plot import plot_result
+
+    loaded = []
+    monkeypatch.setattr(bench_command, "load_model",
+                        lambda *a, **k: loaded.append((k.get("quant", "bf16"), load_model(*a, **k))) or loaded[-1][1])
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--model", "tiny-moe", "--quant", "fp8,bf16", "--modes",
+                                 "eager", "--batches", "2", "--prefill", "12", "--context", "4", "--repeats", "1",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [q for q, _ in loaded] == ["bf16", "fp8"]  # bf16 first: its logits are the reference
+    data = json.loads(out.read_text())
+    assert data["env"]["quant"] == "bf16,fp8" and set(data["setup"]) == {"eager bf16", "eager fp8"}
+    timed = [r for r in data["rows"] if r["phase"] != "accuracy"]
+    assert sorted((r["quant"], r["phase"], r.get("batch", r.get("tokens"))) for r in timed) == sorted(
+        (q, p, s) for q in ("bf16", "fp8") for p, s in (("decode", 2), ("prefill", 12)))
+    assert all("rel_err_float" not in r and r["rel_err"] == 0 for r in timed)
+    [acc] = [r for r in data["rows"] if r["phase"] == "accuracy"]
+    assert acc["key"] == "accuracy" and acc["quant"] == "fp8" and acc["against"] == "bf16"
+    # the reference: the same seeded tokens, each sequence alone, the two models the bench built
+    lengths = [bench_accuracy.TOKENS // bench_accuracy.SEQS] * bench_accuracy.SEQS
+    ids = torch.randint(0, loaded[0][1].config.vocab_size, (bench_accuracy.TOKENS,),
+                        generator=torch.Generator().manual_seed(0))
+    ref, fp8 = (_logits_one_sequence_at_a_time(model, ids, lengths) for _, model in loaded)
+    assert acc["tokens"] == bench_accuracy.TOKENS >= 256
+    assert acc["logits_rel_err"] == pytest.approx(((fp8 - ref).norm() / ref.norm()).item(), rel=1e-4)
+    assert acc["top1_agreement"] == pytest.approx((fp8.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                                                  abs=2 / bench_accuracy.TOKENS)  # a near tie may flip
+    assert 0 < acc["logits_rel_err"] < 1 and 0.5 < acc["top1_agreement"] < 1
+    assert "accuracy fp8 vs bf16" in result.output and "eager fp8" in result.output
+    plot_result(load_result(out), tmp_path / "r.png")  # the accuracy row is not a timed point
+    bad = runner.invoke(app, ["bench", "--device", "cpu", "--quant", "bf16,int4"])
+    assert bad.exit_code != 0 and "--quant" in bad.output and "int4" in bad.output

@@ -48,7 +48,7 @@ def test_flashinfer_fp8_kernels_equal_the_torch_kernel_on_the_same_e4m3_values(r
     block = MoEDecoder.random(CFG.replace(num_layers=1), dtype=torch.bfloat16, device="cuda").model.layers[0].mlp
     weights, ids = block.route(x)
     experts = [FP8Experts(block.experts, "torch")]
-    quantize_fp8(block)  # the flashinfer kernel, its SegmentGEMMWrapper
+    quantize_fp8(block, kernel="flashinfer")  # its SegmentGEMMWrapper
     experts.append(block.experts)
     assert isinstance(experts[1], FP8Experts) and experts[1].kernel == "flashinfer"
     moe = _rel(experts[1](x, ids, weights), experts[0](x, ids, weights))
@@ -99,7 +99,7 @@ def test_every_mode_equals_eager_fp8_within_the_e4m3_bound_for_every_capture_siz
     (2) compiled FP8 is as close to the bf16 model as eager FP8 is: median per-token error against bf16 at most
     1.25x eager's (a wrong graph, a size's code or pad rows leaking, is far from both, at any gap)."""
     base = MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
-    model = quantize_fp8(MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda"))
+    model = quantize_fp8(MoEDecoder.random(CFG, seed=0, dtype=torch.bfloat16, device="cuda"), kernel="flashinfer")
     cache = _cache()
     results = {}
     for mode in ("breakable", "piecewise", "full", "auto"):
