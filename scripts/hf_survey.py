@@ -85,7 +85,8 @@ def _shrunk(config):
     """``config`` with every other large integer size field set to 64 (a type with sizes of its own)."""
     import transformers
 
-    fields = {k: v for k, v in config.to_dict().items() if k in SIZES}
+    # the sizes, and whether it decodes causally (a BERT-like type's tiny config sets is_decoder)
+    fields = {k: v for k, v in config.to_dict().items() if k in SIZES or k == "is_decoder"}
     for key, value in config.to_dict().items():
         if (isinstance(value, int) and not isinstance(value, bool) and value > 128 and key not in SIZES
                 and any(w in key for w in SHRINK_WORDS)):

@@ -9,11 +9,14 @@ Everything here reads attributes only; nothing imports transformers.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from piecegraph.hf.families import adaptable, kv_heads_refusal, layer_kind_refusal
 from piecegraph.models.config import ModelConfig
+from piecegraph.models.mla_config import MODEL_TYPES as MLA_MODEL_TYPES
 
 # Config fields that change attention in ways the split op does not implement: (field, why), refused when set.
 _REFUSED_FIELDS = (
@@ -41,8 +44,12 @@ def check_supported(config: Any, experts_impl: str | None = None) -> None:
     implementation is ``"eager"`` (a Python loop over the experts a batch hits: data-dependent, so Dynamo cannot
     trace it whole; ``grouped_mm`` or ``batched_mm`` can). No model type is refused by name: what passes here
     is checked on the model itself by :func:`check_structure` and numerically by :mod:`piecegraph.hf.probe`.
+    The model types the engine's MLA decoder runs (:data:`~piecegraph.models.mla_config.MODEL_TYPES`, DeepSeek
+    sparse attention included) pass: that decoder reads and checks their config itself.
     """
     name = model_type(config)
+    if name in MLA_MODEL_TYPES:
+        return  # run by the engine's MLA decoder (piecegraph.hf.mla), whose MLAConfig.from_hf reads and checks it
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"model_type {name!r}: an encoder-decoder model; piecegraph.hf runs "
                                     "decoder-only causal LMs")
@@ -53,10 +60,10 @@ def check_supported(config: Any, experts_impl: str | None = None) -> None:
             "runs decoder-only causal LMs (load the text model alone, if its weights allow)")
     kinds = sorted({str(k) for k in (getattr(config, "layer_types", None) or ())} - ATTENTION_LAYER_TYPES)
     if kinds:
-        raise UnsupportedModelError(
+        raise UnsupportedModelError(layer_kind_refusal(name, kinds, MLA_MODEL_TYPES) or (
             f"model_type {name!r}: config.layer_types names {kinds}, layers that are not softmax attention over "
             "a KV cache (recurrent, linear-attention, convolutional or chunked layers); piecegraph's paged "
-            "attention runs full and sliding-window attention only")
+            "attention runs full and sliding-window attention only"))
     try:
         shape = (config.num_attention_heads, head_dim(config), getattr(config, "num_key_value_heads", None))
     except Exception as err:  # noqa: BLE001  (e.g. transformers' per-layer attributes that refuse a global read)
@@ -103,7 +110,9 @@ def check_structure(model: Any) -> None:
     (:func:`base_model`: ``model.model``, or the module its ``base_model_prefix`` names, e.g. GPT-2's
     ``transformer``) holding its decoder layers as one ``torch.nn.ModuleList`` of ``num_hidden_layers`` layers,
     each with a self-attention module (:func:`layer_attention`) wherever the list sits (``model.layers``,
-    ``transformer.h``, ``model.decoder.layers``...), and an output head (:func:`output_head`). Whether
+    ``transformer.h``, ``model.decoder.layers``...), and an output head (:func:`output_head`); each layer's
+    attention of transformers' kind (or a hand-written one piecegraph adapts: :mod:`piecegraph.hf.families`), and
+    key/value head counts the paged cache can hold (the largest a multiple of each layer's). Whether
     each layer's attention goes through transformers' attention interface (by its config's
     ``_attn_implementation``) exactly once, and the whole computes what the model computes, is the run-time
     evidence of :func:`piecegraph.hf.probe.verify` (transformers' own class flag,
@@ -139,17 +148,40 @@ def check_structure(model: Any) -> None:
             "attention module of transformers' kind (with is_causal, scaling and a config: the modules that call "
             "transformers' attention interface); a recurrent, convolutional, ALiBi-biased or hand-written "
             "attention layer, which piecegraph's paged attention does not run")
+    _check_attention_kind(name, layers)
+    mixed = kv_heads_refusal(name, [layer_attention(layer) for layer in layers], model.config.num_attention_heads)
+    if mixed:
+        raise UnsupportedModelError(mixed)
+
+
+def _check_attention_kind(name: str, layers: list[Any]) -> None:
+    """Refuse decoder layers whose self-attention holds no module of transformers' attention kind (is_causal,
+    scaling, a config): piecegraph's attention would never be called there. The message names what the layer's
+    attention module lacks (a module that does not declare itself causal may build a mask of its own, e.g. a
+    per-key bias, which the paged op cannot apply)."""
+    bare = [i for i, layer in enumerate(layers) if not any(_is_attention(m) for m in layer.modules())]
+    if not bare:
+        return
+    attn = layer_attention(layers[bare[0]])
+    lacks = [a for a in ("is_causal", "scaling", "config") if getattr(attn, a, None) is None]
+    raise UnsupportedModelError(
+        f"model_type {name!r}: decoder layers {bare} hold an attention module ({type(attn).__name__}) without "
+        f"{' or '.join(lacks)}, which piecegraph needs of a module it runs through its paged attention (causal "
+        "attention of transformers' kind; an attention that does not declare itself causal may apply a mask of its "
+        "own, such as a per-key bias, which the paged op cannot apply)")
 
 
 # generation_config fields whose logits processors transformers' greedy generate applies and piecegraph's does not
-_FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")
+# (forced_eos_token_id it applies: piecegraph.hf.generate and the engine's requests end an answer cut by its length
+# limit with it)
+_FORCED_TOKENS = ("forced_bos_token_id",)
 
 
 def check_generation(model: Any) -> None:
-    """Raise :class:`UnsupportedModelError` when ``model.generation_config`` forces a token (``forced_eos_token_id``:
-    BART, Marian, Pegasus...; ``forced_bos_token_id``): transformers' ``generate`` would end an answer that
-    reaches its length limit with it (or start one with it), piecegraph's greedy decoding does not, so its
-    tokens would differ. The message names the field and the fix (set it to ``None``)."""
+    """Raise :class:`UnsupportedModelError` when ``model.generation_config`` forces a first token
+    (``forced_bos_token_id``): transformers' ``generate`` would start the answer to a one-token prompt with it,
+    piecegraph's decoding does not, so its tokens would differ. The message names the field and the fix (set it
+    to ``None``)."""
     gen = getattr(model, "generation_config", None)
     for field in _FORCED_TOKENS:
         value = getattr(gen, field, None)
@@ -199,8 +231,34 @@ def output_head_names(model: Any) -> tuple[str, ...]:
 
 
 def _is_attention(module: Any) -> bool:
-    """A module of transformers' attention kind (as :func:`piecegraph.hf.attention.attention_modules` finds)."""
-    return hasattr(module, "is_causal") and hasattr(module, "scaling") and getattr(module, "config", None) is not None
+    """A module of transformers' attention kind (as :func:`piecegraph.hf.attention.attention_modules` finds), or a
+    hand-written attention that wrapping makes one (:func:`piecegraph.hf.families.adaptable`: GPT-Neo's;
+    :func:`is_projection_attention`: XGLM's, MVP's, TrOCR's)."""
+    return (hasattr(module, "is_causal") and hasattr(module, "scaling") and getattr(module, "config", None) is not None
+            ) or adaptable(module) or is_projection_attention(module)
+
+
+_PROJECTION_FIELDS = ("num_heads", "head_dim", "embed_dim", "scaling", "layer_idx")
+
+
+def is_projection_attention(module: Any) -> bool:
+    """A hand-written self-attention of the fairseq layout (XGLM, MVP, TrOCR: softmax attention computed in the
+    modeling code, not through transformers' attention interface): no config and no ``is_causal``, the
+    projections ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``, numbers ``num_heads``, ``head_dim``,
+    ``embed_dim``, ``scaling`` (applied to the queries) and ``layer_idx``, and a forward taking
+    ``key_value_states``. Wrapping makes it of transformers' kind
+    (:func:`piecegraph.hf.attention.adapt_projection_attention`); the numeric self-check decides whether it runs."""
+    if getattr(module, "config", None) is not None or hasattr(module, "is_causal"):
+        return False
+    if not all(hasattr(getattr(module, n, None), "weight") for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
+        return False
+    numbers = [getattr(module, n, None) for n in _PROJECTION_FIELDS]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        return False
+    try:
+        return "key_value_states" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def layer_attention(layer: Any) -> Any:
@@ -210,7 +268,7 @@ def layer_attention(layer: Any) -> Any:
     attn = getattr(layer, "self_attn", None)
     if attn is not None:
         return attn
-    return next((m for m in layer.modules() if _is_attention(m) and m.is_causal is not False), None)
+    return next((m for m in layer.modules() if _is_attention(m) and getattr(m, "is_causal", True) is not False), None)
 
 
 def decoder_layers(model: Any) -> list[Any]:

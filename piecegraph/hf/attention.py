@@ -19,6 +19,10 @@ forward passes, whose dtype no Hugging Face mask has, marks the call instead):
   reaches the paged eager function. The config itself never names ``"piecegraph"``, so masks, ``generate`` and
   ``generate_batch``'s checks (it accepts only ``"sdpa"``, ``"paged|eager"`` and flash) see what they saw before.
 
+Attention modules of the fairseq layout that compute attention in their modeling code (XGLM, MVP, TrOCR) are
+made of transformers' kind while wrapped by :func:`adapt_projection_attention` (a ``forward`` that calls
+:func:`attention` on the flat forward's calls).
+
 :func:`restore` gives the modules their own configs back. The registration is process-wide (every
 ``AttentionInterface.register`` is) but is nobody's default: only the views name it, and a config set to it by
 hand is refused with a message. :func:`release` removes it when the last live wrap is undone (a model dropped
@@ -34,7 +38,8 @@ from typing import Any
 import torch
 
 import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
-from piecegraph.hf.arch import UnsupportedModelError, head_dims, model_type
+from piecegraph.hf.arch import UnsupportedModelError, head_dims, is_projection_attention, model_type
+from piecegraph.hf.families import REPEAT, head_adapter
 from piecegraph.program import describe
 
 NAME = "piecegraph"
@@ -174,7 +179,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     batch, heads, tokens, dim = query.shape
     if batch != 1:
         raise ValueError(f"piecegraph attention runs flat tokens ([1, heads, T, dim]), got query {tuple(query.shape)}")
-    _check_shapes(module, query, key, value)
+    adapt, restore = head_adapter(module), None  # a family whose heads the op sees in another order (JetMoE)
+    if adapt is not None:
+        query, key, value, restore = adapt(module, query, key, value)
+    _check_shapes(module, query, key, value, module.config.num_key_value_heads if adapt else None)
+    repeat = getattr(module, REPEAT, 1)  # fewer key/value heads than other layers: repeated to the cache's count
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     vdim = value.shape[-1]
     q = query[0].transpose(0, 1).reshape(tokens, heads * dim)
     k = key[0].transpose(0, 1).reshape(tokens, -1)
@@ -182,6 +193,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     out = q.new_empty(tokens, heads * vdim)  # the op writes here: a stable address for the pieces after the split
     sinks = _sinks(module, kwargs, heads)
     torch.ops.piecegraph_models.attention(q, k, v, out, module.layer_idx, scale, window, softcap, sinks)
+    if restore is not None:
+        return restore(out.view(tokens, heads, vdim))[None], None
     return out.view(1, tokens, heads, vdim), None
 
 
@@ -225,14 +238,16 @@ def _sinks(module: torch.nn.Module, kwargs: dict, heads: int) -> torch.Tensor | 
     return sinks
 
 
-def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  kv_heads: int | None = None) -> None:
     """Refuse keys and values the paged cache was not shaped for: queries and keys of another size than the
     config's query/key head dim, values of another size than its value head dim (:func:`~piecegraph.hf.arch.head_dims`),
-    or, where the module says how many query heads share one (``num_key_value_groups``, kept per rank under
-    tensor parallelism), another head count."""
+    or another head count than ``kv_heads`` (default: where the module says how many query heads share one,
+    ``num_key_value_groups``, kept per rank under tensor parallelism, the heads that gives)."""
     want_qk, want_v = head_dims(module.config)
     groups = getattr(module, "num_key_value_groups", None)
-    kv_heads = query.shape[1] // groups if isinstance(groups, int) and groups > 0 else None
+    if kv_heads is None and isinstance(groups, int) and groups > 0:
+        kv_heads = query.shape[1] // groups
     for name, tensor, want in (("keys", key, want_qk), ("values", value, want_v)):
         if tensor.shape[-1] == want and query.shape[-1] == want_qk and kv_heads in (None, tensor.shape[1]):
             continue
@@ -247,3 +262,52 @@ def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
 def query_scale(module: torch.nn.Module) -> float:
     return float(getattr(module, "scaling", None) or module.head_dim ** -0.5)
+
+
+# Keyword arguments of a projection attention's own forward that its flat call does not pass on (the cache and
+# outputs the flat forward never uses); cross-attention states and MVP's prompt keys are refused when given.
+_PROJECTION_OWN = frozenset({"attention_mask", "cache", "past_key_values", "output_attentions", "key_value_states",
+                             "attn_prompt"})
+
+
+def adapt_projection_attention(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
+    """Give each hand-written attention of the fairseq layout in ``model``
+    (:func:`~piecegraph.hf.arch.is_projection_attention`: XGLM, MVP, TrOCR) the instance attributes that make it
+    of transformers' attention kind while wrapped: the model's ``config``, ``is_causal`` and a ``forward`` that runs
+    the ``"piecegraph"`` attention function on the flat forward's calls and the module's own forward on every
+    other call. Returns ``(module, attributes set)``, which :func:`piecegraph.hf.families.unadapt` removes and
+    ``readapt`` sets again. A module that has an instance ``forward`` already (another library's hook) is left
+    alone: the structure check or the self-check then refuses the model."""
+    done = []
+    for module in model.modules():
+        if is_projection_attention(module) and "forward" not in module.__dict__:
+            values = {"config": model.config, "is_causal": True, "forward": _projection_forward.__get__(module)}
+            module.__dict__.update(values)  # plain instance attributes: no parameter or submodule is added
+            done.append((module, values))
+    return done
+
+
+def _projection_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A fairseq-layout attention's forward while wrapped: on a flat call (:func:`is_flat`), its projections'
+    queries, keys and values through the ``"piecegraph"`` attention function (looked up now, as transformers'
+    modules look theirs up, so the self-check counts the call) with its own ``scaling``, then its output
+    projection: ``(output, None)`` as its own forward returns ``(output, weights)``. Other calls: its own forward."""
+    from transformers import AttentionInterface
+
+    mask = kwargs.get("attention_mask")
+    if args or not is_flat(mask, kwargs):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    given = sorted(k for k in ("key_value_states", "attn_prompt") if kwargs.get(k) is not None)
+    if given:
+        raise UnsupportedModelError(f"model_type {model_type(self.config)!r}: its attention is given {given} "
+                                    "(cross-attention states or prompt keys), which piecegraph's paged attention "
+                                    "does not attend")
+    batch, tokens = hidden_states.shape[:2]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+
+    query, key, value = (heads(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    passed = {k: v for k, v in kwargs.items() if k not in _PROJECTION_OWN}
+    out, _ = AttentionInterface._global_mapping[NAME](self, query, key, value, mask, scaling=self.scaling, **passed)
+    return self.out_proj(out.reshape(batch, tokens, self.embed_dim)), None

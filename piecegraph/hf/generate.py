@@ -22,6 +22,7 @@ from piecegraph.hf.model import HFDecoder
 from piecegraph.models.generate import dummy_inputs, greedy_loop, stop_ids
 
 MODES = ("graphs", "none", "eager")
+DEFAULT_NEW_TOKENS = 20  # transformers' generate when nothing sets a length limit
 
 
 def wrap(model: Any, **options: Any) -> HFDecoder:
@@ -52,24 +53,62 @@ def new_token_limits(model: Any, prompts: Sequence[Sequence[int]], max_new_token
     """How many new tokens each prompt may get, counted as Hugging Face's ``generate`` counts them:
     ``max_new_tokens`` when given (it wins over ``max_length``; below 0 counts as 0), else ``max_length`` (prompt
     and output together) minus the prompt's length, else the model's ``generation_config`` (its
-    ``max_new_tokens``, else its ``max_length``: transformers' default is 20). ``model``: a Hugging Face causal
-    LM or an :class:`HFDecoder`. A ``max_length`` that leaves a prompt no room raises ``ValueError`` naming it
-    (pass ``max_new_tokens`` instead)."""
+    ``max_new_tokens``, else its ``max_length``), else transformers' default: 20 new tokens, prompt and output
+    together at most the config's ``max_position_embeddings``. ``model``: a Hugging Face causal LM or an
+    :class:`HFDecoder`. A length limit that leaves a prompt no room raises ``ValueError`` naming it (pass
+    ``max_new_tokens`` instead), as transformers' ``generate`` does."""
     if max_new_tokens is not None:
         return [max(int(max_new_tokens), 0)] * len(prompts)
     source = "max_length"
     if max_length is None:
-        gen = getattr(model.hf if isinstance(model, HFDecoder) else model, "generation_config", None)
+        hf = model.hf if isinstance(model, HFDecoder) else model
+        gen = getattr(hf, "generation_config", None)
         if getattr(gen, "max_new_tokens", None) is not None:
             return [max(int(gen.max_new_tokens), 0)] * len(prompts)
-        max_length = getattr(gen, "max_length", None) or 20
-        source = "the model's generation_config.max_length"
+        if getattr(gen, "max_length", None) is not None:
+            max_length, source = gen.max_length, "the model's generation_config.max_length"
+        else:
+            return _default_limits(hf, prompts)
     short = [i for i, p in enumerate(prompts) if len(p) >= max_length]
     if short:
         raise ValueError(f"{source}={max_length} counts the prompt too, and prompt {short[0]} already has "
                          f"{len(prompts[short[0]])} tokens: pass max_new_tokens (new tokens only) or a larger "
                          "max_length")
     return [max_length - len(p) for p in prompts]
+
+
+def _default_limits(hf: Any, prompts: Sequence[Sequence[int]]) -> list[int]:
+    """transformers' limits when nothing sets one: ``max_length`` is the prompt plus 20, at most the config's
+    ``max_position_embeddings``."""
+    cap = getattr(getattr(hf, "config", None), "max_position_embeddings", None)
+    limits = [DEFAULT_NEW_TOKENS if cap is None else min(len(p) + DEFAULT_NEW_TOKENS, cap) - len(p) for p in prompts]
+    short = [i for i, n in enumerate(limits) if n <= 0]
+    if short:
+        raise ValueError(f"prompt {short[0]} has {len(prompts[short[0]])} tokens, which leaves no room under the "
+                         f"model's max_position_embeddings={cap} (transformers' default length limit when neither "
+                         "max_new_tokens nor max_length is set): pass max_new_tokens")
+    return limits
+
+
+def forced_eos_id(model: Any) -> int | None:
+    """The token the model's ``generation_config.forced_eos_token_id`` forces as the last new token of an answer
+    that reaches its length limit (transformers' ``ForcedEOSTokenLogitsProcessor``: at length ``max_length - 1``
+    every logit but the forced ids' becomes -inf), or ``None``. A list of ids gives its smallest, the one greedy
+    decoding picks among the equal logits the processor leaves. ``model``: a causal LM or an :class:`HFDecoder`."""
+    hf = model.hf if isinstance(model, HFDecoder) else model
+    value = getattr(getattr(hf, "generation_config", None), "forced_eos_token_id", None)
+    if value is None:
+        return None
+    ids = stop_ids(value)
+    return min(ids) if ids else None
+
+
+def force_last_tokens(outputs: list[list[int]], limits: Sequence[int], forced: int | None) -> list[list[int]]:
+    """``outputs`` with the forced EOS id (:func:`forced_eos_id`) as the last token of each that reached its
+    limit (an answer that stopped earlier at an EOS id keeps its tokens); unchanged when ``forced`` is ``None``."""
+    if forced is None:
+        return outputs
+    return [[*tokens[:-1], forced] if tokens and len(tokens) == n else tokens for tokens, n in zip(outputs, limits)]
 
 
 class Session:
@@ -146,9 +185,12 @@ class Session:
                  ) -> list[list[int]]:
         """Greedy new tokens per prompt: ``max_new_tokens`` each (or up to ``max_length`` with the prompt, or
         the model's ``generation_config``'s: :func:`new_token_limits`), or fewer when one is an EOS id (which is
-        kept, as Hugging Face keeps it; default EOS: :func:`eos_ids`). One packed prefill of every prompt, then
-        decode steps over the sequences still running; each finished sequence's pages are freed at once
-        (:func:`piecegraph.models.generate.greedy_loop`, the loop the reference decoder uses too)."""
+        kept, as Hugging Face keeps it; default EOS: :func:`eos_ids`); an answer that reaches its limit ends with
+        the ``generation_config``'s ``forced_eos_token_id`` where it names one (:func:`forced_eos_id`). One packed
+        prefill of every prompt, then decode steps over the sequences still running; each finished sequence's
+        pages are freed at once (:func:`piecegraph.models.generate.greedy_loop`, the loop the reference decoder
+        uses too); prompts whose limits differ (``max_length``) run in one loop per limit, so no sequence grows past
+        its own limit in the cache."""
         if self.closed:
             raise RuntimeError("this piecegraph.hf.Session was closed: make a new one")
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -157,9 +199,14 @@ class Session:
         if max(limits) <= 0:
             return [[] for _ in prompts]
         stop = stop_ids(eos_ids(self.model, eos_token_id))
-        out = greedy_loop(self.model, self.cache, prompts, max(limits), prefill_fn=self.prefill,
-                          decode_fn=self.decode, stop=stop, tag="hf.generate")
-        return [tokens[:n] for tokens, n in zip(out, limits)]  # limits differ only under max_length
+        out: list[list[int]] = [[] for _ in prompts]
+        for limit in sorted(set(limits) - {0}):  # several only under max_length
+            group = [i for i, n in enumerate(limits) if n == limit]
+            tokens = greedy_loop(self.model, self.cache, [prompts[i] for i in group], limit, prefill_fn=self.prefill,
+                                 decode_fn=self.decode, stop=stop, tag="hf.generate")
+            for i, answer in zip(group, tokens):
+                out[i] = answer
+        return force_last_tokens(out, limits, forced_eos_id(self.model))
 
 
     def suspend(self) -> None:

@@ -1,10 +1,10 @@
-"""``piecegraph.hf`` for multi-head latent attention models (``deepseek_v2``, ``deepseek_v3``, ``glm_moe_dsa``):
-the engine's :class:`~piecegraph.models.mla.MLADecoder`, built from the Hugging Face model's config and sharing its
-tensors (nothing copied), instead of the model's own layers.
+"""``piecegraph.hf`` for multi-head latent attention models (``deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``,
+``glm_moe_dsa``): the engine's :class:`~piecegraph.models.mla.MLADecoder`, built from the Hugging Face model's
+config and sharing its tensors (nothing copied), instead of the model's own layers.
 
 Why not the model's own layers through ``AttentionInterface``, as for other models: their attention expands the
 latent into per-head keys and values before the attention function sees them (the paged cache would hold
-``num_heads`` times more than the latent), and GLM-5's DSA indexer keeps its own key cache through
+``num_heads`` times more than the latent), and the DSA indexer (DeepSeek-V3.2, GLM-5) keeps its own key cache through
 transformers' ``Cache`` object, which piecegraph's flat forward does not give it. The engine's decoder computes
 the same function (tests/cpu/test_mla_models.py checks greedy tokens against transformers' ``generate``) on the
 latent paged cache.

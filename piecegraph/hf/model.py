@@ -14,6 +14,11 @@ block) undoes it:
 - a decoder that numbers positions itself (BART, Marian, Pegasus...) gets a forward pre-hook on its position
   module that gives it the flat forward's positions, and changes nothing in any other call
   (:mod:`piecegraph.hf.positions`); unwrap removes it;
+- a hand-written attention module piecegraph adapts (GPT-Neo's) gets instance attributes that make it of
+  transformers' attention kind: ``scaling``, ``layer_idx``, ``sliding_window`` and an ``_attn`` that calls
+  piecegraph's attention on the flat forward's calls, its own otherwise (:mod:`piecegraph.hf.adapters`); one of
+  the fairseq layout (XGLM's, MVP's, TrOCR's) gets ``config``, ``is_causal`` and such a ``forward``
+  (:func:`piecegraph.hf.attention.adapt_projection_attention`); unwrap removes them;
 - a private attribute on the model (``_piecegraph_hf``) records the above; unwrap removes it;
 - ``"piecegraph"`` is registered in transformers' ``AttentionInterface`` while any model is wrapped.
 """
@@ -26,7 +31,9 @@ from typing import Any, Callable
 
 import torch
 
+import piecegraph.hf.adapters as adapters
 import piecegraph.hf.attention as hf_attention
+import piecegraph.hf.families as families
 import piecegraph.hf.probe as probe
 from piecegraph.hf.arch import (
     base_model_name,
@@ -69,9 +76,12 @@ class _Wrap:
         self.configs: list[tuple[torch.nn.Module, Any]] = []
         self.trained: list[torch.nn.Module] = []
         self.positions = FlatPositions()
+        self.adapted: list[tuple[torch.nn.Module, dict]] = []  # hand-written attention given fields (families)
 
     def apply(self, model: torch.nn.Module) -> None:
         """Switch ``model``'s attention modules to piecegraph's and the model to eval mode (idempotent)."""
+        self.adapted += adapters.adapt(model)  # before install: adapted modules are of transformers' kind then
+        self.adapted += hf_attention.adapt_projection_attention(model)  # XGLM's, MVP's, TrOCR's (same form)
         self.configs += hf_attention.install(model)
         self.positions.install(model)
         self.to_eval(model)
@@ -88,6 +98,7 @@ class _Wrap:
 
     def undo(self) -> None:
         hf_attention.restore(self.configs)
+        families.unadapt(self.adapted)
         self.positions.remove()
         for module in self.trained:
             module.training = True  # the flag only: a child that was in eval mode stays there
@@ -121,10 +132,10 @@ class HFDecoder(torch.nn.Module):
     """A Hugging Face causal LM over flat tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
 
     Constraints: a decoder-only causal LM that passes :func:`~piecegraph.hf.arch.check_supported`,
-    :func:`~piecegraph.hf.arch.check_structure`, :func:`~piecegraph.hf.arch.check_generation` (no token forced
-    by its ``generation_config``) and, unless ``verify`` is False, the numeric self-check
-    :func:`piecegraph.hf.probe.verify` (a short probe through piecegraph's attention against the model's own
-    forward, once per model instance; ``verify=None`` runs it unless the environment sets
+    :func:`~piecegraph.hf.arch.check_structure`, :func:`~piecegraph.hf.arch.check_generation` (no first token
+    forced by its ``generation_config``; generation forces a last one) and, unless ``verify`` is False, the
+    numeric self-check :func:`piecegraph.hf.probe.verify` (a short probe through piecegraph's attention against
+    the model's own forward, once per model instance; ``verify=None`` runs it unless the environment sets
     ``PIECEGRAPH_HF_VERIFY=0``): else :class:`UnsupportedModelError` naming its model_type, the feature or the
     first layer that differs, and the model is left unwrapped. In eval mode (the wrapper puts it there), called
     inside ``piecegraph.forward_context`` of
@@ -187,6 +198,9 @@ class HFDecoder(torch.nn.Module):
         self.base_name = base_model_name(model)  # "model", or GPT-2's "transformer", GPT-NeoX's "gpt_neox"...
         self.head_names = output_head_names(model)  # ("lm_head",), or BERT's ("cls",)...
         self.config = cache_config(model.config, max_seq_len, attention_backend)
+        widest = families.widest_kv_heads(model)  # layers of several key/value head counts: the cache holds the most
+        if widest is not None:
+            self.config = self.config.replace(num_kv_heads=widest)
         self.constants = layer_constants(model)
         self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
         # the head's scale as the model applies it: Cohere multiplies by model.logit_scale, Granite divides by
@@ -242,10 +256,11 @@ class HFDecoder(torch.nn.Module):
             return True
         views, state = getattr(self, "_suspended", None), self._wrap
         if views is None or getattr(self.hf, _STATE, None) is not None or any(
-                m.config is not own for m, own in state.configs):
+                getattr(m, "config", own) is not own for m, own in state.configs):  # (an adapted one's is unset)
             return False
         hf_attention.acquire(state)
         setattr(self.hf, _STATE, state)
+        families.readapt(state.adapted)  # first: a config it sets is then replaced by the view
         for module, view in views:
             module.config = view
         state.positions.install(self.hf)

@@ -14,8 +14,10 @@ off again.
 A position module is hooked only when the module holding it (``embed_positions``) has a forward without
 ``position_ids`` (so the positions the flat forward passes never reach it) and the position module's forward
 takes ``position_ids`` and a cache length. Decoders that read ``position_ids`` (OPT, BioGPT, XGLM) are left alone,
-and so is RoBERTa's kin, whose positions start at the padding index and skip pad tokens (no ``embed_positions``
-of this kind: the numeric self-check refuses them).
+and so is RoBERTa's kin (RoBERTa, CamemBERT, XLM-RoBERTa, Data2VecText...): given no ``position_ids`` their
+embeddings number from the padding index on and skip pad tokens, but transformers' ``generate`` always gives them
+``position_ids`` counted from 0 (for an unpadded prompt), which the flat forward's positions are, so their greedy
+tokens equal ``generate``'s as they are (the numeric self-check calls their own forward as ``generate`` does).
 """
 
 from __future__ import annotations

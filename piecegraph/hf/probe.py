@@ -3,7 +3,9 @@
 A Hugging Face model is run by piecegraph only on evidence that piecegraph computes what the model computes.
 :func:`verify` runs two short probe prompts, packed into one flat prefill on a small paged KV cache and then a
 few batched decode steps, through the wrapped model (piecegraph's attention, eager: no compile, no graphs), and
-compares them with the model's own forward (its configured attention, no cache) on the same tokens:
+compares them with the model's own forward (its configured attention, no cache) on the same tokens, called as
+transformers' ``generate`` calls it (``position_ids`` 0, 1, ... where the forward takes them: RoBERTa's kin
+number positions from their padding index only when not given any, which ``generate`` never lets happen):
 
 - every decoder layer calls transformers' attention interface exactly once per forward, each with its own
   ``layer_idx``, and the call is known as piecegraph's (a recurrent, convolutional or hand-written attention
@@ -20,6 +22,7 @@ and attention implementation, so it is paid once.
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from dataclasses import dataclass
@@ -145,13 +148,15 @@ def _reference(hf: torch.nn.Module, layers: list, prompt: list[int]) -> tuple[li
     """The model's own greedy tokens after ``prompt`` (full forwards, no cache), and the logits and every
     layer's hidden states of the last forward (over ``prompt`` and all but the last greedy token)."""
     device = next(hf.parameters()).device
+    numbered = _takes_position_ids(hf)
     ids, tokens = list(prompt), []
     hidden: list[list[torch.Tensor]] = [[] for _ in layers]
     for step in range(NEW_TOKENS):
         last = step == NEW_TOKENS - 1
         handles = _hooks(layers, hidden) if last else []
         try:
-            logits = hf(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
+            positions = {"position_ids": torch.arange(len(ids), device=device)[None]} if numbered else {}
+            logits = hf(input_ids=torch.tensor([ids], device=device), use_cache=False, **positions).logits[0].float()
         finally:
             for h in handles:
                 h.remove()
@@ -159,6 +164,16 @@ def _reference(hf: torch.nn.Module, layers: list, prompt: list[int]) -> tuple[li
         if not last:
             ids.append(tokens[-1])
     return tokens, logits, [rows[0] for rows in hidden]
+
+
+def _takes_position_ids(hf: torch.nn.Module) -> bool:
+    """Whether transformers' ``generate`` passes ``hf`` position ids (a decoder-only model whose forward takes them:
+    its ``_prepare_position_ids_for_generation`` then counts them from 0 for an unpadded prompt)."""
+    try:
+        takes = "position_ids" in inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return takes and not getattr(hf.config, "is_encoder_decoder", False)
 
 
 def _through_piecegraph(decoder: Any, layers: list, prompts: list[list[int]], ref_tokens: list[list[int]]

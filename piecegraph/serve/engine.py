@@ -278,7 +278,7 @@ class Engine:
         for request, token in zip(flight.sampled, values):
             if request.status is Status.FINISHED:
                 continue
-            request.append(token, now)
+            token = request.append(token, now)  # a forced EOS replaces the last sampled token
             emitted_requests.append(request)
             emitted_tokens.append(token)
             if request.finish_reason is not None:

@@ -25,6 +25,9 @@ class SamplingParams:
     the same tokens whatever it is batched with, and after a preemption. ``top_p`` in (0, 1]: sample only from
     the most likely tokens whose probabilities sum to at least ``top_p`` (nucleus sampling; 1: all of them).
     ``eos_token_id``: stop after emitting it (it is the last output token); ``None`` never stops early.
+    ``forced_eos_token_id``: the last output token a request may have (its ``max_new_tokens``-th) is this id
+    whatever was sampled, as transformers' ``ForcedEOSTokenLogitsProcessor`` forces it (BART, Marian, Pegasus...
+    set it in their ``generation_config``); ``None``: nothing forced.
     """
 
     max_new_tokens: int = 16
@@ -32,6 +35,7 @@ class SamplingParams:
     seed: int = 0
     eos_token_id: int | None = None
     top_p: float = 1.0
+    forced_eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -40,9 +44,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be a number in (0, 1] (1: no nucleus cut)")
-        eos = self.eos_token_id
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
-            raise TypeError(f"SamplingParams.eos_token_id={eos!r} must be an int token id or None")
+        for name in ("eos_token_id", "forced_eos_token_id"):
+            eos = getattr(self, name)
+            if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+                raise TypeError(f"SamplingParams.{name}={eos!r} must be an int token id or None")
 
     @property
     def greedy(self) -> bool:
@@ -146,17 +151,23 @@ class Request:
     def first_token(self) -> float | None:
         return self.token_times[0] if self.token_times else None
 
-    def append(self, token: int, now: float) -> None:
-        """Record an output token (the oldest in flight, if any); finishes the request on EOS or at
-        ``max_new_tokens``."""
+    def append(self, token: int, now: float) -> int:
+        """Record an output token (the oldest in flight, if any) and return the token recorded: the params'
+        ``forced_eos_token_id`` instead when this is the last token allowed. Finishes the request on EOS or at
+        ``max_new_tokens`` (``"length"``, a forced EOS included: the answer was cut, not ended by the model)."""
         if self.inflight:
             self.inflight -= 1
+        last = len(self.output) + 1 >= self.params.max_new_tokens
+        forced = last and self.params.forced_eos_token_id is not None
+        if forced:
+            token = self.params.forced_eos_token_id
         self.output.append(token)
         self.token_times.append(now)
-        if self.params.eos_token_id is not None and token == self.params.eos_token_id:
+        if self.params.eos_token_id is not None and token == self.params.eos_token_id and not forced:
             self.finish_reason = "eos"
-        elif len(self.output) >= self.params.max_new_tokens:
+        elif last:
             self.finish_reason = "length"
+        return token
 
 
 def _tokens(id: Hashable, prompt: Iterable[object]) -> tuple[int, ...]:

@@ -19,8 +19,10 @@ def build_params(req: Any, prompt: list[int], tokenizer: Tokenizer, max_seq_len:
 
     ``max_seq_len`` bounds prompt + output. Temperature defaults to 1 as OpenAI's does (0 is greedy); a sampled
     request without a seed gets a random one. The engine stops at one EOS id itself; other EOS ids of the
-    tokenizer and ``stop_token_ids`` are applied by the server (``ignore_eos`` drops the EOS ids). ``top_p`` goes
-    to the engine (nucleus sampling). Raises :class:`APIError` 400 naming the field.
+    tokenizer and ``stop_token_ids`` are applied by the server (``ignore_eos`` drops the EOS ids). The model's
+    forced EOS (``generation_config.forced_eos_token_id``: the last token allowed, as transformers forces it) goes
+    to the engine, unless ``ignore_eos``. ``top_p`` goes to the engine (nucleus sampling). Raises
+    :class:`APIError` 400 naming the field.
     """
     prompt_field = "messages" if chat else "prompt"
     if len(prompt) >= max_seq_len:
@@ -50,8 +52,9 @@ def build_params(req: Any, prompt: list[int], tokenizer: Tokenizer, max_seq_len:
     if not req.ignore_eos and tokenizer.eos_ids:
         eos = min(tokenizer.eos_ids)
         stop_ids |= set(tokenizer.eos_ids)
+    forced = None if req.ignore_eos else getattr(tokenizer, "forced_eos_id", None)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed, eos_token_id=eos,
-                            **extra)
+                            forced_eos_token_id=forced, **extra)
     return params, stop, stop_ids
 
 

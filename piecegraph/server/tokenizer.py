@@ -23,6 +23,7 @@ class NoChatTemplate(ValueError):
 class Tokenizer(Protocol):
     name: str
     eos_ids: frozenset[int]
+    forced_eos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -40,6 +41,7 @@ class ByteTokenizer:
 
     name = "bytes"
     eos_ids: frozenset[int] = frozenset()
+    forced_eos_id: int | None = None
 
     def __init__(self, vocab_size: int = 256, chat_template: bool = True) -> None:
         if vocab_size < 256:
@@ -75,7 +77,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local directory's tokenizer through ``transformers.AutoTokenizer`` (local files only, never the hub).
     ``encode`` adds the model's special tokens (a BOS where it has one), as the model was trained; ``chat`` uses
-    the directory's chat template. ``eos_ids``: those Hugging Face's ``generate`` stops at (:func:`_eos_ids`)."""
+    the directory's chat template. ``eos_ids``: those Hugging Face's ``generate`` stops at (:func:`_eos_ids`);
+    ``forced_eos_id``: the last token it forces on an answer cut by its length limit (:func:`_forced_eos_id`)."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -87,6 +90,7 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         self.name = self.path.name
         self.eos_ids = frozenset(_eos_ids(self.tok, self.path))
+        self.forced_eos_id = _forced_eos_id(self.path)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=True))
@@ -116,6 +120,22 @@ def _eos_ids(tok: Any, path: Path) -> set[int]:
         if isinstance(value, list) and value:
             return {int(v) for v in value}
     return {int(tok.eos_token_id)} if getattr(tok, "eos_token_id", None) is not None else set()
+
+
+def _forced_eos_id(path: Path) -> int | None:
+    """The ``forced_eos_token_id`` of the generation config transformers builds for the directory:
+    ``generation_config.json``'s when that file exists (absent there: none), else ``config.json``'s. A list gives
+    its smallest id, the one greedy decoding picks among the logits transformers' processor leaves equal."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("forced_eos_token_id")
+            if isinstance(value, list):
+                return min((int(v) for v in value), default=None)
+            return None if value is None else int(value)
+    return None
 
 
 def load_tokenizer(model: str, vocab_size: int) -> Tokenizer:

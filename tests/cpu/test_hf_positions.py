@@ -4,8 +4,12 @@ BART, Marian, mBART, Pegasus, Blenderbot (and its small kin) and PLBart as causa
 every call instead of reading ``position_ids``; piecegraph's packed prefill puts several sequences in one row, so
 their position modules are given the flat forward's positions (``piecegraph.hf.positions``). Each type gives
 transformers' exact greedy tokens for two prompts of different lengths, its hidden states agree with its own
-forward (the numeric self-check), and the model's own forward is the same while wrapped and after unwrap. Their
-default generation_config forces EOS at max_length, which piecegraph's greedy decoding does not: refused, named.
+forward (the numeric self-check), and the model's own forward is the same while wrapped and after unwrap (their
+default generation_config forces EOS as the last token, as piecegraph does too: tests/cpu/test_hf_forced_tokens.py).
+RoBERTa's kin number positions from their padding index when given none, but transformers' generate gives them
+position ids from 0, as piecegraph's flat forward does: their greedy tokens equal generate's, unhooked. XGLM, MVP
+and TrOCR (attention computed in their modeling code, MVP's and TrOCR's positions self-numbered) run through
+piecegraph's attention too.
 """
 
 import pytest
@@ -37,9 +41,6 @@ def tiny(model_type):
                 param.normal_(0, 0.1)
             elif param.dim() >= 2 and "norm" not in name:
                 param.normal_(0, param.shape[-1] ** -0.5)
-    # These configs ask transformers' generate to force EOS as the last token at max_length, which piecegraph
-    # refuses (test below): run them as a user who switched it off does
-    model.generation_config.forced_eos_token_id = None
     return model
 
 
@@ -93,24 +94,88 @@ def test_without_the_positions_the_packed_prefill_differs():
     assert not verdict.ok and verdict.layer == 0 and "'bart'" in verdict.reason, verdict.reason
 
 
-def test_decoders_that_read_position_ids_and_roberta_are_not_hooked():
-    """OPT reads ``position_ids`` (its own embed_positions needs no hook); RoBERTa numbers from its padding index,
-    which piecegraph does not reproduce: it stays refused by the self-check."""
+def test_decoders_that_read_position_ids_are_not_hooked():
+    """OPT and RoBERTa read ``position_ids`` (their embeddings need no hook)."""
     opt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
         "opt", vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
         word_embed_proj_dim=64, max_position_embeddings=64))
-    roberta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        "roberta", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, is_decoder=True))
-    assert self_numbering_modules(opt) == [] and self_numbering_modules(roberta) == []
-    assert not pghf.verify(roberta, raise_on_failure=False).ok
+    assert self_numbering_modules(opt) == [] and self_numbering_modules(roberta_like("roberta")) == []
 
 
-def test_a_token_forced_by_the_generation_config_is_refused_naming_it():
-    """BART's default generation_config forces EOS at max_length (transformers' generate ends such an answer with
-    it, piecegraph's greedy loop does not): refused naming the field and the fix, the model left as it was."""
-    model = tiny("bart")
-    model.generation_config.forced_eos_token_id = 2
-    with pytest.raises(pghf.UnsupportedModelError, match=r"forced_eos_token_id=2.*= None"):
-        pghf.generate(model, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
-    assert not hasattr(model, "_piecegraph_hf") and not model.model.decoder.embed_positions._forward_pre_hooks
+ROBERTA_TYPES = ["roberta", "roberta-prelayernorm", "camembert", "data2vec-text", "xlm-roberta", "xlm-roberta-xl"]
+
+
+def roberta_like(model_type):
+    """A float32 tiny random causal LM (``is_decoder``) of RoBERTa's kin, projections ~N(0, 1/fan_in)."""
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, is_decoder=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ROBERTA_TYPES)
+def test_roberta_kin_give_the_tokens_of_transformers_generate(model_type):
+    """Their own forward without position ids numbers from ``padding_idx + 1`` (the control: other greedy tokens
+    than generate's); generate passes 0, 1, ..., as the flat forward does."""
+    model = roberta_like(model_type)
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    ids = list(PROMPTS[0])
+    with torch.no_grad():
+        for _ in range(NEW):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ids[len(PROMPTS[0]):][: len(expected[0])] != expected[0]
+    assert pghf.generate(model, PROMPTS, NEW, mode="eager", backend="torch", reuse=False) == expected
+
+
+PROJECTION_SIZES = {
+    "xglm": dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
+    "mvp": dict(SIZES),
+    "trocr": dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128),
+}
+
+
+def projection_model(model_type):
+    """A float32 tiny random causal LM whose attention is computed in its modeling code (fairseq layout)."""
+    sizes = {**dict(vocab_size=128, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             **PROJECTION_SIZES[model_type]}
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(PROJECTION_SIZES))
+def test_hand_written_projection_attention_gives_transformers_tokens_and_is_given_back(model_type):
+    """XGLM, MVP and TrOCR compute attention in their modeling code (no attention interface): wrapped, their
+    attention modules run piecegraph's attention on the flat forward's calls; their own forward is unchanged while
+    wrapped, and unwrap leaves no attribute behind."""
+    model = projection_model(model_type)
+    attn = model.model.decoder.layers[0].self_attn if model_type != "xglm" else model.model.layers[0].self_attn
+    before = own_logits(model)
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    with pghf.HFDecoder(model) as decoder:
+        assert pghf.verify(decoder, raise_on_failure=False).ok and "forward" in attn.__dict__
+        assert torch.equal(own_logits(model), before)
+    assert not {"forward", "config", "is_causal"} & set(attn.__dict__)
+    assert pghf.generate(model, PROMPTS, NEW, mode="eager", backend="torch", reuse=False) == expected
+    assert torch.equal(own_logits(model), before)
+
+
+@pytest.mark.slow
+def test_projection_attention_runs_compiled_with_emulated_graphs():
+    model = projection_model("xglm")
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    got = pghf.generate(model, PROMPTS, NEW, mode="graphs", emulate_graphs=True, compiler="eager",
+                        prefill_tokens=32, backend="torch", reuse=False)
+    assert got == expected
