@@ -1,4 +1,4 @@
-"""The MLA decoder over flat tokens (DeepSeek-V2/V3, Kimi-K2, GLM-5): latent attention with weight absorption, the
+"""The MLA decoder over flat tokens (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5): latent attention with weight absorption, the
 DSA indexer, DeepSeek-style MoE; Hugging Face parameter names, so their state dicts load unchanged.
 
 Attention is the split op ``piecegraph_models::mla_attention`` (:mod:`piecegraph.attention.mla_op`) on a paged
@@ -109,13 +109,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
 
 
 class Indexer(nn.Module):
-    """GLM-5's DSA indexer (``wq_b``, ``wk``, ``k_norm``, ``weights_proj``): per token a query of
-    ``index_n_heads`` heads from the q_a latent, one key, and per-head weights ``weights_proj(x) * heads**-0.5``
-    in float32; the first ``qk_rope_head_dim`` dims of query and key rotated in interleaved pairs."""
+    """The DSA indexer of DeepSeek-V3.2 and GLM-5 (``wq_b``, ``wk``, ``k_norm``, ``weights_proj``): per token a
+    query of ``index_n_heads`` heads from the q_a latent, one key, and per-head weights
+    ``weights_proj(x) * heads**-0.5`` in float32; the first ``qk_rope_head_dim`` dims of query and key rotated, in
+    interleaved pairs (GLM-5) or in halves (V3.2) as ``config.index_rope_interleave`` says."""
 
     def __init__(self, config: MLAConfig) -> None:
         super().__init__()
         self.heads, self.dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
+        self.interleave = config.index_rope_interleave
         self.wq_b = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.dim, bias=False)
         self.k_norm = nn.LayerNorm(self.dim, eps=INDEX_NORM_EPS)
@@ -131,9 +133,9 @@ class Indexer(nn.Module):
         """``(index_q [T, heads, dim], index_weights [T, heads] float32, index_k [T, dim])``."""
         tokens, p = x.shape[0], self.rope_dim
         q = self.wq_b(q_resid).view(tokens, self.heads, self.dim)
-        q = torch.cat([rotate(q[..., :p], cos, sin, True), q[..., p:]], dim=-1)
+        q = torch.cat([rotate(q[..., :p], cos, sin, self.interleave), q[..., p:]], dim=-1)
         k = self.k_norm(self.wk(x)).unsqueeze(1)
-        k = torch.cat([rotate(k[..., :p], cos, sin, True), k[..., p:]], dim=-1).squeeze(1)
+        k = torch.cat([rotate(k[..., :p], cos, sin, self.interleave), k[..., p:]], dim=-1).squeeze(1)
         # transformers keeps weights_proj in float32 and casts x to it: the same products in float32
         weights = nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.heads ** -0.5
         return q.contiguous(), weights, k.contiguous()

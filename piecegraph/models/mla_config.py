@@ -1,6 +1,6 @@
 """The shape of a multi-head latent attention (MLA) decoder, DeepSeek-V2/V3 and GLM-5 style: :class:`MLAConfig`,
-its reader and writer of Hugging Face ``config.json`` (``deepseek_v2``, ``deepseek_v3``, ``glm_moe_dsa``), presets,
-and parameter counts computed from the config alone (nothing allocated)."""
+its reader and writer of Hugging Face ``config.json`` (``deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``,
+``glm_moe_dsa``), presets, and parameter counts computed from the config alone (nothing allocated)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Mapping
 
 from piecegraph.models.config import ModelConfig, _rope_parameters, _rope_theta
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm_moe_dsa")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")  # the types with a DSA indexer (always)
 ROUTINGS = ("softmax", "sigmoid")
 INDEXER_TYPES = ("full", "shared")
 _MAX_DEFAULT_CACHE_LEN = 4096
@@ -20,7 +21,7 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
 
 @dataclass(frozen=True)
 class MLAConfig(ModelConfig):
-    """An MLA decoder (DeepSeek-V2/V3, Kimi-K2, GLM-5): latent attention, an optional DSA indexer, MoE layers.
+    """An MLA decoder (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5): latent attention, an optional DSA indexer, MoE layers.
 
     As a KV-cache shape (:class:`~piecegraph.attention.types.CacheShape`) it is one latent "head" per token:
     ``num_kv_heads`` is 1, ``head_dim`` is ``kv_lora_rank`` (the cache's k holds the compressed latent),
@@ -32,9 +33,10 @@ class MLAConfig(ModelConfig):
     + ``qk_rope_head_dim`` per query/key head, ``attention_bias`` (biases of q_a, kv_a and o projections).
     RoPE: ``rope_theta``; ``rope_interleave`` (rotary dims in interleaved pairs, as DeepSeek and GLM-5 store them);
     ``rope_scaling`` a tuple of ``(key, value)`` pairs of a YaRN ``rope_parameters`` (empty: plain RoPE).
-    DSA (GLM-5): ``index_n_heads`` heads of ``index_head_dim`` (its first ``qk_rope_head_dim`` dims rotated),
-    ``index_topk`` keys per query, ``indexer_types`` per layer (``"full"``: own indexer; ``"shared"``: the previous
-    full layer's choice; empty: all full). MoE: ``num_experts`` (0: every layer dense, width
+    DSA (DeepSeek-V3.2, GLM-5): ``index_n_heads`` heads of ``index_head_dim`` (its first ``qk_rope_head_dim`` dims
+    rotated: in interleaved pairs if ``index_rope_interleave``, as GLM-5; else in halves, as V3.2), ``index_topk``
+    keys per query, ``indexer_types`` per layer (``"full"``: own indexer; ``"shared"``: the previous full layer's
+    choice; empty: all full). MoE: ``num_experts`` (0: every layer dense, width
     ``intermediate_size``) of width ``expert_width``, ``top_k``, ``num_shared_experts`` (shared expert width
     ``num_shared_experts * expert_width``), ``first_k_dense`` leading dense layers (or ``mlp_layer_types``, one
     ``"dense"``/``"sparse"`` per layer), ``routing`` (``"softmax"``: DeepSeek-V2; ``"sigmoid"`` with
@@ -59,6 +61,7 @@ class MLAConfig(ModelConfig):
     index_n_heads: int = field(default=0, kw_only=True)
     index_head_dim: int = field(default=0, kw_only=True)
     index_topk: int = field(default=0, kw_only=True)
+    index_rope_interleave: bool = field(default=True, kw_only=True)
     indexer_types: tuple = field(default=(), kw_only=True)
     num_experts: int = field(default=0, kw_only=True)
     top_k: int = field(default=0, kw_only=True)
@@ -162,13 +165,14 @@ class MLAConfig(ModelConfig):
     # -- Hugging Face config.json ------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], max_seq_len: int | None = None) -> "MLAConfig":
-        """Read a ``config.json`` dict of a ``deepseek_v2``, ``deepseek_v3`` or ``glm_moe_dsa`` model, as
-        transformers builds that model: the DeepSeek-V2 router ignores ``norm_topk_prob`` and uses groups only
-        with ``topk_method="group_limited_greedy"``; V2 always rotates interleaved pairs, V3 when
-        ``rope_interleave`` (default true), GLM-5 always. MTP layers (``num_nextn_predict_layers``) are not part
-        of the config (the loader skips their weights). ``max_seq_len`` defaults to ``max_position_embeddings``
-        capped at 4096. Raises ``ValueError`` naming the key for a missing key, another model type, a
-        quantized checkpoint, RoPE scaling other than YaRN, another activation or MLP biases."""
+        """Read a ``config.json`` dict of a :data:`MODEL_TYPES` model, as transformers builds that model: the
+        DeepSeek-V2 router ignores ``norm_topk_prob`` and uses groups only with ``topk_method="group_limited_greedy"``;
+        attention rotates interleaved pairs, in V3 only when ``rope_interleave`` (default true); V3.2's indexer runs
+        in every layer and rotates halves, GLM-5's rotates pairs and follows ``indexer_types``. MTP layers
+        (``num_nextn_predict_layers``) are not part of the config (the loader skips their weights). ``max_seq_len``
+        defaults to ``max_position_embeddings`` capped at 4096. Raises ``ValueError`` naming the key for a missing
+        key, another model type, a quantized checkpoint, RoPE scaling other than YaRN, another activation or MLP
+        biases."""
         model_type = hf.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json model_type {model_type!r} is not an MLA model; expected one of "
@@ -181,13 +185,15 @@ class MLAConfig(ModelConfig):
         layers = hf["num_hidden_layers"]
         dense_first = int(hf.get("first_k_dense_replace") or 0)
         moe = _moe_fields(hf, model_type)
-        mlp_types = tuple(hf.get("mlp_layer_types") or ()) if model_type == "glm_moe_dsa" else ()
+        mlp_types = tuple(hf.get("mlp_layer_types") or ()) if model_type in DSA_TYPES else ()
         if mlp_types == ("dense",) * min(dense_first, layers) + ("sparse",) * max(layers - dense_first, 0):
             mlp_types = ()  # what first_k_dense_replace says anyway
         index = {}
-        if model_type == "glm_moe_dsa":
-            index = dict(index_n_heads=hf.get("index_n_heads", 32), index_head_dim=hf.get("index_head_dim", 128),
-                         index_topk=hf.get("index_topk", 2048), indexer_types=_indexer_types(hf, layers))
+        if model_type in DSA_TYPES:  # transformers' DeepSeek-V3.2 reads no indexer_types: all layers full
+            v32 = model_type == "deepseek_v32"
+            index = dict(index_n_heads=hf.get("index_n_heads", 64 if v32 else 32),
+                         index_head_dim=hf.get("index_head_dim", 128), index_topk=hf.get("index_topk", 2048),
+                         indexer_types=() if v32 else _indexer_types(hf, layers), index_rope_interleave=not v32)
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf.get("intermediate_size") or 1, num_layers=layers,
@@ -203,24 +209,28 @@ class MLAConfig(ModelConfig):
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` dict of :attr:`model_type` that transformers and :meth:`from_hf` read back as this
-        shape. A DeepSeek-V2 config needs softmax routing without ``norm_topk_prob``, V3 and GLM-5 sigmoid
-        routing, GLM-5 an indexer and interleaved RoPE (``ValueError`` otherwise)."""
+        shape. A DeepSeek-V2 config needs softmax routing without ``norm_topk_prob``, the others sigmoid routing;
+        V3.2 an indexer in every layer rotating halves, GLM-5 one rotating pairs; all but V3 interleaved RoPE
+        (``ValueError`` otherwise)."""
         kind = self.model_type
         want_softmax = kind == "deepseek_v2"
         if (self.routing == "softmax") != want_softmax or (want_softmax and self.norm_topk_prob and
                                                           self.num_experts):
             raise ValueError(f"MLAConfig.to_hf: model_type {kind!r} routes with "
                              f"{'softmax, no norm_topk_prob' if want_softmax else 'sigmoid'}; this config does not")
-        if (kind == "glm_moe_dsa") != bool(self.index_head_dim) or (kind != "deepseek_v3" and not
-                                                                    self.rope_interleave):
+        dsa, v32 = kind in DSA_TYPES, kind == "deepseek_v32"
+        if dsa != bool(self.index_head_dim) or (kind != "deepseek_v3" and not self.rope_interleave) or (dsa and (
+                self.index_rope_interleave == v32 or (v32 and "shared" in self.layer_indexer_types))):
             raise ValueError(f"MLAConfig.to_hf: model_type {kind!r} does not match this config's indexer "
-                             "(glm_moe_dsa only, and always) or rope_interleave (deepseek_v3 only may be false)")
+                             f"({DSA_TYPES} only, and always; deepseek_v32's full in every layer with "
+                             "index_rope_interleave false, glm_moe_dsa's true) or rope_interleave (deepseek_v3 "
+                             "only may be false)")
         rope = {"rope_theta": self.rope_theta, "rope_type": "default", **dict(self.rope_scaling)}
         if self.rope_scaling:
             rope["rope_type"] = "yarn"
         out = {
             "architectures": [{"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                               "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[kind]],
+                               "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[kind]],
             "model_type": kind, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_heads,
@@ -240,10 +250,11 @@ class MLAConfig(ModelConfig):
         if kind == "deepseek_v3":
             out["rope_interleave"] = self.rope_interleave
             out["num_nextn_predict_layers"] = 0
-        if kind == "glm_moe_dsa":
+        if dsa:
             out.update(index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim,
-                       index_topk=self.index_topk, indexer_types=list(self.layer_indexer_types),
-                       mlp_layer_types=list(self.layer_mlp_types))
+                       index_topk=self.index_topk, mlp_layer_types=list(self.layer_mlp_types))
+        if kind == "glm_moe_dsa":
+            out["indexer_types"] = list(self.layer_indexer_types)
         return out
 
     # -- sizes ------------------------------------------------------------------------------------------

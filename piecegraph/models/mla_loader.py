@@ -1,5 +1,5 @@
-"""Load a Hugging Face folder of a ``deepseek_v2``, ``deepseek_v3`` or ``glm_moe_dsa`` model into
-:class:`~piecegraph.models.mla.MLADecoder` (config.json + safetensors, local only)."""
+"""Load a Hugging Face folder of a ``deepseek_v2``, ``deepseek_v3``, ``deepseek_v32`` or ``glm_moe_dsa`` model
+into :class:`~piecegraph.models.mla.MLADecoder` (config.json + safetensors, local only)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Model families beyond the generic path of ``piecegraph.hf``: each runs with transformers' exact greedy tokens
 or is refused with a message naming its model type and the reason, never run wrong.
 
-- GLM-5 (``glm_moe_dsa``) as transformers configures it (``layer_types`` of ``"indexed_attention"``, DeepSeek
-  sparse attention) runs on the engine's MLA decoder; DSA types whose layers differ from that decoder's are
-  refused naming the difference;
+- GLM-5 (``glm_moe_dsa``) and DeepSeek-V3.2 (``deepseek_v32``) as transformers configures them (``layer_types``
+  of ``"indexed_attention"``, DeepSeek sparse attention) run on the engine's MLA decoder; DSA types whose layers
+  differ from that decoder's are refused naming the difference;
 - JetMoE's mixture-of-attention heads (keys tiled over the query heads) run as grouped-query attention;
 - GPT-Neo's and GPT-NeoX-Japanese's hand-written attention (GPT-Neo's unscaled, in global and local layers) runs
   through piecegraph's attention while wrapped, and is their own again after;
@@ -36,7 +36,7 @@ MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim
            num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
 # DSA types piecegraph refuses, and a phrase of what their refusal names
-DSA_REFUSED = {"deepseek_v32": "rotate_half", "hy_v4": "hyper-connections", "axk2": "gated RMSNorms",
+DSA_REFUSED = {"hy_v4": "hyper-connections", "axk2": "gated RMSNorms",
                "deepseek_v4": "compressed"}
 
 
@@ -97,9 +97,10 @@ def refusal(hf):
 
 
 # ---------------------------------------------------------------------- DeepSeek sparse attention
-def test_glm_moe_dsa_as_transformers_configures_it_runs_exactly():
-    cfg = config("glm_moe_dsa", **{**BASE, **MLA}, index_topk=4, index_head_dim=16, index_n_heads=4,
-                 indexer_types=["full", "shared"])
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])  # indexer rotary in pairs / in halves
+def test_dsa_types_as_transformers_configures_them_run_exactly(model_type):
+    cfg = config(model_type, **{**BASE, **MLA}, index_topk=4, index_head_dim=16, index_n_heads=4,
+                 indexer_types=["full", "shared"])  # deepseek_v32 has no indexer_types: every layer full
     assert set(cfg.layer_types) == {"indexed_attention"}  # what a name-free layer-kind check refused
     hf = model(cfg)
     assert isinstance(pghf.HFDecoder(hf, verify=False), MLAHFDecoder)

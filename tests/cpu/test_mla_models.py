@@ -44,6 +44,10 @@ CONFIGS = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
         q_lora_rank=48, n_shared_experts=1, index_topk=8, index_head_dim=16, index_n_heads=8,
         indexer_types=["full", "shared", "full"])),
+    # DeepSeek-V3.2 style: an indexer in every layer whose rotary dims turn in halves (GLM-5's: in pairs), YaRN
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        q_lora_rank=48, n_shared_experts=1, n_group=2, topk_group=1, index_topk=8, index_head_dim=16,
+        index_n_heads=8, rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
@@ -215,14 +219,15 @@ def test_compile_and_hfdecoder_of_an_mla_model_run_the_mla_decoder(tiny, kind):
     assert stats["split_ops"] == hf.config.num_hidden_layers and stats["pieces"] == stats["split_ops"] + 1
 
 
-@pytest.mark.parametrize("mode", ["eager", "auto"])
-def test_engine_serves_glm_folder_like_transformers(tiny, mode):
-    """The serving engine on the GLM-5 folder loaded as ``piecegraph serve DIR`` loads it: two concurrent requests,
-    one longer than index_topk, prefills chunked by a 16-token step budget; greedy tokens equal transformers'."""
+@pytest.mark.parametrize("kind, mode", [("glm_moe_dsa", "eager"), ("glm_moe_dsa", "auto"), ("deepseek_v32", "eager")])
+def test_engine_serves_dsa_folders_like_transformers(tiny, kind, mode):
+    """The serving engine on a GLM-5 or DeepSeek-V3.2 folder loaded as ``piecegraph serve DIR`` loads it: two
+    concurrent requests, one longer than index_topk, prefills chunked by a 16-token step budget; greedy tokens equal
+    transformers'."""
     from piecegraph.cli_common import load_model
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
-    hf, folder, _ = tiny["glm_moe_dsa"]
+    hf, folder, _ = tiny[kind]
     model = load_model(str(folder), "cpu", torch.float32)
     assert isinstance(model, MLADecoder)
     config = EngineConfig(mode=mode, max_num_seqs=2, max_num_batched_tokens=16, page_size=4, max_seq_len=40,
