@@ -43,8 +43,9 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     A Hugging Face ``PreTrainedModel`` causal LM is wrapped first in :class:`piecegraph.hf.HFDecoder`: the
     returned module takes flat ``(input_ids [T], positions [T])`` and returns hidden states (``.model.logits(h)``
     for logits); the model's own forward and ``generate`` keep working as before. A multi-head latent attention
-    model (``deepseek_v2``, ``deepseek_v3``, ``glm_moe_dsa``) gets :class:`piecegraph.hf.mla.MLAHFDecoder`: the
-    engine's MLA decoder (latent cache, DSA indexer) on the model's own tensors, split at ``mla_attention``.
+    model (``deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``, ``glm_moe_dsa``) gets
+    :class:`piecegraph.hf.mla.MLAHFDecoder`: the engine's MLA decoder (latent cache, DSA indexer) on the model's own
+    tensors, split at ``mla_attention``.
     """
     model = _hf_wrapped(model)
     given = {"mode": mode, "max_tokens": max_tokens, "compiler": compiler, "split_ops": split_ops,

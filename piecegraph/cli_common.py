@@ -60,7 +60,7 @@ MODEL_HELP = " | ".join(PRESETS) + " | PATH (auto: tiny on CPU, 0.5B shape on GP
 
 def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16"):
     """A preset of :data:`PRESETS` (random reference decoders, dense, MoE or MLA) or a local checkpoint directory:
-    the reference decoder for Qwen2/Llama, the MLA decoder for DeepSeek-V2/V3 and GLM-5 (``glm_moe_dsa``), unless
+    the reference decoder for Qwen2/Llama, the MLA decoder for DeepSeek-V2/V3/V3.2 and GLM-5 (``glm_moe_dsa``), unless
     ``hf`` (``--hf``) or another model type asks for the Hugging Face model itself through :mod:`piecegraph.hf`.
     ``quant="fp8"``: the reference decoder's projections, MLPs and experts in e4m3
     (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere)."""
