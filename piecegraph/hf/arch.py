@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from piecegraph.hf.families import adaptable, kv_heads_refusal, layer_kind_refusal
+from piecegraph.hf.families import adaptable, block_sparse_refusal, kv_heads_refusal, layer_kind_refusal
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.mla_config import MODEL_TYPES as MLA_MODEL_TYPES
 
@@ -143,7 +143,7 @@ def check_structure(model: Any) -> None:
                                     "piecegraph's paged attention has no additive bias and does not implement "
                                     "ALiBi")
     if plain:
-        raise UnsupportedModelError(
+        raise UnsupportedModelError(block_sparse_refusal(name, layers[plain[0]], base_model_name(model)) or
             f"model_type {name!r}: decoder layers {plain} ({type(layers[plain[0]]).__name__}) hold no causal "
             "attention module of transformers' kind (with is_causal, scaling and a config: the modules that call "
             "transformers' attention interface); a recurrent, convolutional, ALiBi-biased or hand-written "

@@ -8,6 +8,7 @@ wrapped model with its own forward before it runs.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -171,14 +172,60 @@ def _is_gpt_neox_japanese_attention(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "norm_factor", None), float))
 
 
+def _is_bert_self_attention(module: torch.nn.Module) -> bool:
+    """A BERT-style self-attention of a decoder whose attention is computed in its forward (MegatronBERT's,
+    RemBERT's, RoFormer's, BigBird's full attention): linear ``query``, ``key`` and ``value`` projections of
+    ``num_attention_heads`` heads of ``attention_head_size``, logits divided by its square root, the base model's
+    additive mask, a softmax; ``is_decoder`` set (an encoder's attention is bidirectional) and no config (those
+    with one call transformers' attention interface). RoFormer's also take ``sinusoidal_pos`` and apply it with
+    their own ``apply_rotary_position_embeddings`` (to the values too where ``rotary_value``)."""
+    if (getattr(module, "config", None) is not None or hasattr(module, "is_causal")
+            or getattr(module, "is_decoder", None) is not True):
+        return False
+    if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in ("query", "key", "value")):
+        return False
+    numbers = [getattr(module, n, None) for n in ("num_attention_heads", "attention_head_size", "all_head_size",
+                                                  "layer_idx")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers):
+        return False
+    takes = forward_parameters(module)
+    if not {"attention_mask", "encoder_hidden_states"} <= set(takes):
+        return False
+    return "sinusoidal_pos" not in takes or (callable(getattr(module, "apply_rotary_position_embeddings", None))
+                                             and isinstance(getattr(module, "rotary_value", None), bool))
+
+
+def forward_parameters(module: torch.nn.Module) -> tuple[str, ...]:
+    """The parameters of ``module``'s class forward after ``self``, in order (``()`` when unreadable)."""
+    try:
+        return tuple(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return ()
+
+
+def block_sparse_refusal(name: str, layer: torch.nn.Module, base: str | None) -> str | None:
+    """The reason to refuse a decoder layer of BigBird's kind whose attention is block-sparse now
+    (``attention_type == "block_sparse"``), naming the switch to its full attention, which transformers' own
+    ``generate`` makes for a decoder (and which piecegraph then runs); ``None`` for any other layer. ``base``: the
+    attribute holding the causal LM's base model."""
+    if getattr(layer, "attention_type", None) != "block_sparse" or not callable(
+            getattr(layer, "set_attention_type", None)):
+        return None
+    return (f"model_type {name!r}: its layers run block-sparse attention (attention_type='block_sparse': each query "
+            "attends blocks of global, sliding-window and random keys, in both directions), which piecegraph's "
+            "paged attention does not compute. transformers' generate switches a decoder to full causal attention "
+            f"(its cache cannot hold block-sparse attention); do the same before wrapping: "
+            f"model.{base or 'base_model'}.set_attention_type('original_full')")
+
+
 # hand-written attention modules piecegraph.hf.adapters makes of transformers' attention kind while wrapped
-HAND_WRITTEN = (_is_gpt_neo_attention, _is_gpt_neox_japanese_attention)
+HAND_WRITTEN = (_is_gpt_neo_attention, _is_gpt_neox_japanese_attention, _is_bert_self_attention)
 
 
 def adaptable(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a hand-written attention :func:`piecegraph.hf.adapters.adapt` makes of transformers'
     attention kind (:data:`HAND_WRITTEN`), not adapted yet."""
-    return any(applies(module) for applies in HAND_WRITTEN) and "_attn" not in module.__dict__
+    return any(applies(module) for applies in HAND_WRITTEN) and not {"_attn", "forward"} & module.__dict__.keys()
 
 
 def unadapt(done: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:

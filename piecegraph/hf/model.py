@@ -18,7 +18,8 @@ block) undoes it:
   transformers' attention kind: ``scaling``, ``layer_idx``, ``sliding_window`` and an ``_attn`` that calls
   piecegraph's attention on the flat forward's calls, its own otherwise (:mod:`piecegraph.hf.adapters`); one of
   the fairseq layout (XGLM's, MVP's, TrOCR's) gets ``config``, ``is_causal`` and such a ``forward``
-  (:func:`piecegraph.hf.attention.adapt_projection_attention`); unwrap removes them;
+  (:func:`piecegraph.hf.attention.adapt_projection_attention`), and so does a BERT-style decoder self-attention
+  computed in its forward (MegatronBERT's, RemBERT's, RoFormer's, BigBird's), with ``scaling``; unwrap removes them;
 - a private attribute on the model (``_piecegraph_hf``) records the above; unwrap removes it;
 - ``"piecegraph"`` is registered in transformers' ``AttentionInterface`` while any model is wrapped.
 """
