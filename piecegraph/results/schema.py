@@ -156,10 +156,11 @@ def flashinfer_version() -> str | None:
 
 def git_commit() -> str | None:
     """piecegraph's git short hash when it runs from a git checkout (the folder above the package holds ``.git``),
-    else ``None`` (an installed wheel, no git)."""
+    else ``PIECEGRAPH_COMMIT`` from the environment (a copy of a commit's tree without its history, such as one
+    sent to a GPU machine, names its commit so), else ``None`` (an installed wheel)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
-        return None
+        return os.environ.get("PIECEGRAPH_COMMIT") or None
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)

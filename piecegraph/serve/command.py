@@ -189,7 +189,8 @@ def serve_bench(
 
     def save(results: list[dict[str, Any]]) -> None:  # after each mode: a run cut short keeps what it finished
         if json_path and reports:
-            write_result(json_path, **payload(env, results))
+            kernels = sorted({r["attention_kernel"] for r in results if r.get("attention_kernel")})
+            write_result(json_path, **payload({**env, "attention_kernel": "; ".join(kernels) or None}, results))
 
     if reports:
         console.print(f"[bold]serve-bench[/]: {model} on {env['gpu']} ({env['dtype']}, {backend} attention"

@@ -83,7 +83,8 @@ def start_mode(model: torch.nn.Module, mode: str, plan: Plan, log: Callable[[str
     so far (no rows)."""
     vocab = model.config.vocab_size
     engine = Engine(model, engine_config(mode, plan.engine), cache=cache, progress=progress(mode))
-    result: dict[str, Any] = {"mode": mode, "capture": engine.capture_report(), "rows": []}
+    result: dict[str, Any] = {"mode": mode, "capture": engine.capture_report(), "rows": [],
+                              "attention_kernel": getattr(engine.cache.backend, "kernel", engine.cache.backend.name)}
     log(f"{mode}: engine ready in {engine.setup_s:.1f} s ({_captured(result['capture'])})")
     if plan.warmup:
         warm = Workload(min(plan.workload.input_len, 64), min(plan.workload.output_len, 8), 0.0, plan.workload.seed)

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from piecegraph.attention.backends.torch_sdpa import TorchBackend
 from piecegraph.cli import app
 from piecegraph.models import TINY, Decoder, generate
 from piecegraph.models.config import ModelConfig
@@ -290,6 +291,7 @@ def test_serve_bench_smoke_on_cpu(tmp_path):
     per_mode = results_of(load_result(out))  # the per-mode results the tables and the plot take
     modes = {m["mode"]: m for m in per_mode}
     assert data["env"]["repeats"] == 3 and data["env"]["gpu"] == "cpu" and data["env"]["attention"] == "torch"
+    assert data["env"]["attention_kernel"] == TorchBackend.kernel  # the kernel the caches ran, named
     for row in data["rows"]:  # three runs each, the median one reported
         runs = row["repeats_output_tok_s"]
         assert len(runs) == 3 and round(row["output_tok_s"], 1) == sorted(runs)[1], row

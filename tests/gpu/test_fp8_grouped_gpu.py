@@ -101,7 +101,9 @@ def test_triton_quantizers_equal_torchs(tokens):
     x = torch.randn(tokens * 4, 1408 * 2, device="cuda").to(torch.bfloat16) * 3
     q, s = fp8_grouped.quantize_input(x)
     q_ref, s_ref = quantize_rows(x)
-    assert torch.equal(s, s_ref)  # the same float32 ops, IEEE divisions
+    # within one float32 ulp: torch divides a CUDA tensor by a Python scalar as a product with its reciprocal
+    # (measured on an H100: a few scales one ulp apart), the Triton kernel with an IEEE division
+    torch.testing.assert_close(s, s_ref, rtol=2**-23, atol=0)
     # the same e4m3 values, but for a rare tie a cast through fp16 (two roundings) would round the other way
     differ = q.float() != q_ref.float()
     assert differ.float().mean() < 1e-3, differ.float().mean()

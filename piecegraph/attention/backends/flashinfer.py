@@ -129,6 +129,7 @@ class FlashInferBackend:
     """FlashInfer paged attention; see the module docstring. Constructing it imports flashinfer."""
 
     name = "flashinfer"
+    kernel = "FlashInfer BatchPrefillWithPagedKVCacheWrapper / BatchDecodeWithPagedKVCacheWrapper"
 
     def __init__(self, config: CacheShape, device: torch.device | str) -> None:
         import flashinfer

@@ -64,6 +64,7 @@ class TorchMLABackend(TorchBackend):
     to run on an MLA cache."""
 
     name = "torch"
+    kernel = "torch latent attention (absorbed queries); DSA: the chosen keys gathered"
     reads_page_table = True
 
     def __init__(self, config: CacheShape) -> None:

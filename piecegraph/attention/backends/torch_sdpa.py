@@ -48,6 +48,7 @@ class TorchBackend:
     """SDPA over gathered pages; see the module docstring. Works on any device torch runs SDPA on."""
 
     name = "torch"
+    kernel = "torch scaled_dot_product_attention over the gathered pages"  # said in results' env
     reads_page_table = True  # decode steps gather pages through AttentionMetadata.page_table
 
     def __init__(self, config: CacheShape) -> None:
