@@ -11,6 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import transformers_greedy  # noqa: E402
+
 import piecegraph  # noqa: E402
 import piecegraph.hf as pghf  # noqa: E402
 from piecegraph.attention import AttentionMetadata, KVCache  # noqa: E402
@@ -58,13 +60,7 @@ def hf_logits(model, prompt):
 
 
 def hf_greedy(model, prompt, new=NEW, **kwargs):
-    """Hugging Face's own greedy tokens for one prompt, cut after the first EOS (it pads the rest)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, **kwargs)
-    tokens = out[0, len(prompt):].tolist()
-    eos = pghf.eos_ids(pghf.wrap(model), kwargs.get("eos_token_id"))
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokens[:cut]
+    return transformers_greedy(model, prompt, new, **kwargs)
 
 
 def rel(a, b):

@@ -12,6 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import transformers_greedy  # noqa: E402
+
 import piecegraph.hf as pghf  # noqa: E402
 import piecegraph.hf.adapters as adapters  # noqa: E402
 import piecegraph.hf.families as families  # noqa: E402
@@ -45,16 +47,7 @@ def model(model_type, **fields):
 
 
 def hf_greedy(hf):
-    """transformers' greedy tokens per prompt, cut after the first EOS piecegraph also stops at."""
-    eos = pghf.eos_ids(pghf.wrap(hf, verify=False))
-    pghf.unwrap(hf)
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False)[0, len(prompt):].tolist()
-            out.append(ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
-    return out
+    return [transformers_greedy(hf, prompt, NEW) for prompt in PROMPTS]
 
 
 def self_attentions(hf):

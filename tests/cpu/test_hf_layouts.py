@@ -14,6 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import transformers_greedy  # noqa: E402
+
 import piecegraph.hf as pghf  # noqa: E402
 from piecegraph.hf.arch import decoder_layers, layer_attention, output_head_names  # noqa: E402
 
@@ -55,14 +57,7 @@ def tiny(model_type, **fields):
 
 
 def hf_greedy(model, prompt):
-    """transformers' greedy tokens (EOS from generation_config), cut after the first EOS as piecegraph stops."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False)
-    tokens = out[0, len(prompt):].tolist()
-    eos = model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or ())
-    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]
+    return transformers_greedy(model, prompt, NEW)
 
 
 @pytest.mark.parametrize("model_type", list(LAYOUTS))

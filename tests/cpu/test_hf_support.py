@@ -13,6 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import transformers_greedy  # noqa: E402
+
 import piecegraph.hf as pghf  # noqa: E402
 import piecegraph.hf.attention as hf_attention  # noqa: E402
 import piecegraph.hf.probe as probe  # noqa: E402
@@ -91,13 +93,7 @@ def tiny(model_type, seed=0):
 
 
 def hf_greedy(model, prompt):
-    """transformers' own greedy tokens for one prompt, cut after the first EOS piecegraph also stops at."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)
-    tokens = out[0, len(prompt):].tolist()
-    eos = pghf.eos_ids(pghf.wrap(model, verify=False))
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokens[:cut]
+    return transformers_greedy(model, prompt, NEW)
 
 
 def run_or_refuse(model_type, mode="eager", **options):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import transformers_greedy
 
 import piecegraph.hf
 from piecegraph.attention import AttentionMetadata, KVCache
@@ -83,13 +84,7 @@ def tiny(tmp_path_factory):
 
 
 def _hf_greedy(hf, prompt):
-    """transformers' greedy tokens (its generation_config's EOS ends them, kept, as piecegraph keeps it)."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        got = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    eos = hf.generation_config.eos_token_id
-    return got[: got.index(eos) + 1] if eos in got else got
+    return transformers_greedy(hf, prompt, NEW_TOKENS, pad_token_id=0)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from hf_reference import transformers_greedy
 
 from piecegraph.models import generate
 from piecegraph.models.mla_loader import load_mla
@@ -84,12 +85,7 @@ def folders(tmp_path_factory):
 
 
 def _hf_greedy(hf, prompt):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        got = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    eos = hf.generation_config.eos_token_id
-    return got[: got.index(eos) + 1] if eos in got else got
+    return transformers_greedy(hf, prompt, NEW_TOKENS, pad_token_id=0)
 
 
 def test_fp8_block_checkpoint_loads_dequantized_with_transformers_greedy_tokens(folders, caplog):
