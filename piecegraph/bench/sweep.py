@@ -155,6 +155,32 @@ def _describe(row: Row) -> str:
             f"{row.hbm_frac:6.1%} of HBM floor  rel_err={row.rel_err:.1e}{versus_float}")
 
 
+KV_MEMORY_SHARE = 0.7  # of the free device memory a decode cache may take: graphs and activations need the rest
+
+
+def fitting_batches(facts: ModelFacts, batches: Sequence[int], context: int, log: Callable[[str], None]
+                    ) -> tuple[list[int], list[tuple[int, str]]]:
+    """The decode batches whose one shared KV cache (``context + 8`` tokens a sequence, for the largest batch)
+    fits :data:`KV_MEMORY_SHARE` of the device's free memory, and ``(batch, reason)`` for those left out, largest
+    first (a CUDA device only; elsewhere all fit). Refuses, naming ``--batches``, when none fits."""
+    if facts.device.type != "cuda" or facts.config is None:
+        return list(batches), []
+    free = torch.cuda.mem_get_info(facts.device)[0] * KV_MEMORY_SHARE
+    per_seq = facts.kv_bytes_per_token() * (context + 8)
+    kept = sorted(batches)
+    dropped: list[tuple[int, str]] = []
+    while kept and kept[-1] * per_seq > free:
+        b = kept.pop()
+        dropped.append((b, f"its KV cache ({b} x {context + 8} tokens, {b * per_seq / 2**30:.1f} GiB) does not fit "
+                           f"{KV_MEMORY_SHARE:.0%} of the {free / KV_MEMORY_SHARE / 2**30:.1f} GiB free beside the "
+                           "model: a smaller --context or batch, or a GPU with more memory"))
+        log(f"decode batch {b}: skipped, {dropped[-1][1]}")
+    if not kept:
+        raise ValueError(f"--batches {list(batches)}: no decode batch fits the device at --context {context} "
+                         f"({per_seq / 2**20:.1f} MiB of KV cache a sequence, {free / 2**30:.1f} GiB usable)")
+    return [b for b in batches if b in kept], dropped
+
+
 def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[int], prefill: Sequence[int],
               context: int = 256, repeats: int = 20, log: Log = print,
               on_mode: Callable[[SweepResult], None] | None = None, attention: str = "auto",
@@ -180,6 +206,7 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     log(f"copy bandwidth {copy_gbs:.0f} GB/s" + (f"; hbm_frac against the peak {peak:.0f} GB/s" if peak else
                                                  "; no known peak: hbm_frac against the copy bandwidth"))
     bandwidth = peak or copy_gbs
+    batches, too_big = fitting_batches(facts, batches, context, log)
     cache = decode_cache(facts, batches, context, attention)
     cases = decode_cases(facts, cache, batches, context) + prefill_cases(facts, prefill, attention)
     log(f"attention backend {cache.backend.name}: {cache!r}")
@@ -189,7 +216,7 @@ def run_sweep(model: torch.nn.Module, modes: Sequence[str], batches: Sequence[in
     for name in modes:
         rows, mode_facts = _run_mode(name, model, cases, capture_inputs(facts, cache), repeats, bandwidth, log,
                                      keep_going)
-        result.rows += rows
+        result.rows += rows + [Row(name, "decode", b, skipped=reason) for b, reason in too_big]
         result.modes[name] = mode_facts
         bench_modes.release()
         if on_mode is not None:

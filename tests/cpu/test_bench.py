@@ -481,3 +481,24 @@ def test_a_comma_list_of_quants_benches_each_model_once_into_one_result_with_acc
     plot_result(load_result(out), tmp_path / "r.png")  # the accuracy row is not a timed point
     bad = runner.invoke(app, ["bench", "--device", "cpu", "--quant", "bf16,int4"])
     assert bad.exit_code != 0 and "--quant" in bad.output and "int4" in bad.output
+
+
+def test_decode_batches_whose_kv_cache_cannot_fit_are_skipped_with_the_reason(monkeypatch):
+    """On a GPU the decode cache is one allocation for the largest batch: batches whose cache would not fit 70% of
+    the free memory are left out largest first, each with its reason (a row per mode), instead of every row
+    failing on an out-of-memory error; none fitting is refused naming --batches."""
+    from types import SimpleNamespace
+
+    from piecegraph.bench.sweep import fitting_batches
+
+    per_token = 1000
+    facts = SimpleNamespace(device=torch.device("cuda", 0), config=object(), kv_bytes_per_token=lambda: per_token)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 264 * per_token, 10**12))
+    lines = []
+    kept, dropped = fitting_batches(facts, [1, 10, 256, 1024], 256, lines.append)  # 70 sequences of 264 fit
+    assert kept == [1, 10] and [b for b, _ in dropped] == [1024, 256]
+    assert "does not fit" in dropped[0][1] and "--context" in dropped[0][1] and len(lines) == 2
+    with pytest.raises(ValueError, match="--batches"):
+        fitting_batches(facts, [256], 256, lines.append)
+    cpu = SimpleNamespace(device=torch.device("cpu"), config=object(), kv_bytes_per_token=lambda: per_token)
+    assert fitting_batches(cpu, [4096], 10**6, lines.append) == ([4096], [])
