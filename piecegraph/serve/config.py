@@ -91,6 +91,10 @@ class EngineConfig:
             chain of their tokens after their requests end, and a request whose prompt starts with cached pages
             shares them and prefills only the rest; unreferenced cached pages are evicted least recently used
             first when pages run short (``serve/prefix_cache.py``). Tokens are equal either way.
+        decode_compile_sizes: ``"auto"``: auto's full (decode) module also compiles each capture size for its
+            static token count and keeps it where it ran faster (``piecegraph.Config.compile_sizes="auto"``; the
+            bench's ``full-static`` row: 1.654 ms against the dynamic 1.901 at batch 1 on the 1B shape, H100), at
+            an Inductor compile per size at start. ``None`` (default): one dynamic-shape compile.
 
     Example: ``EngineConfig(mode="auto", max_num_seqs=64, max_num_batched_tokens=512, max_seq_len=1024)``.
     """
@@ -117,6 +121,7 @@ class EngineConfig:
     graph_memory_limit: int | None = None
     auto_opaque: bool | None = None
     prefix_cache: bool = True
+    decode_compile_sizes: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -148,6 +153,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.auto_opaque={self.auto_opaque!r} must be None, True or False")
         if self.graph_memory_limit is not None:
             _check_int("graph_memory_limit", self.graph_memory_limit, 1)
+        if self.decode_compile_sizes not in (None, "auto"):
+            raise ValueError(f"EngineConfig.decode_compile_sizes={self.decode_compile_sizes!r} must be None or "
+                             "'auto'")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (bool, str, os.PathLike)) \
                 or self.cache_dir == "":
             raise ValueError(f"EngineConfig.cache_dir={self.cache_dir!r} must be a folder, True (the default "

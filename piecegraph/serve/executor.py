@@ -93,7 +93,8 @@ class Executor:
         if mode == "auto":
             self.decode = Slot("full", piecegraph.compile(
                 model, mode="full", compiler=config.compiler, capture_sizes=config.full_sizes,
-                full_compile=config.full_compile, **common), config.full_sizes)
+                full_compile=config.full_compile, compile_sizes=config.decode_compile_sizes, **common),
+                config.full_sizes)
             if config.share_trace:  # one Dynamo trace for both modules: the full one builds from the piecewise one's
                 self.decode.module.trace_from(self.mixed.module)
 

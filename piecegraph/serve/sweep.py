@@ -30,10 +30,11 @@ from piecegraph.serve.gpu_bound import engine_fits, engine_timer, estimate
 
 SYNC_SUFFIX = "-sync"
 # auto's variant rows: the synchronous loop, the frozen heap, the full module from the shared trace (whole, and
-# by pieces)
+# by pieces), no prefix cache, decode graphs compiled per static size
 VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-freeze": {"freeze_gc": True},
             "-shared": {"share_trace": True, "full_compile": "whole"},
-            "-pieces": {"share_trace": True, "full_compile": "pieces"}, "-noprefix": {"prefix_cache": False}}
+            "-pieces": {"share_trace": True, "full_compile": "pieces"}, "-noprefix": {"prefix_cache": False},
+            "-static": {"decode_compile_sizes": "auto"}}
 BENCH_MODES = (*ENGINE_MODES, *("auto" + suffix for suffix in VARIANTS))
 
 

@@ -713,6 +713,11 @@ def test_the_engine_passes_full_compile_to_its_full_module_and_checks_it():
         EngineConfig(full_compile="layers")
     with pytest.raises(ValueError, match="EngineConfig.share_trace='yes' must be True or False"):
         EngineConfig(share_trace="yes")
+    static = Engine(model, config.replace(decode_compile_sizes="auto")).executor  # auto-static's change
+    assert static.decode.module.config.compile_sizes == "auto" and static.mixed.module.config.compile_sizes is None
+    assert engine_config("auto-static", EngineConfig()).decode_compile_sizes == "auto"
+    with pytest.raises(ValueError, match="EngineConfig.decode_compile_sizes=4"):
+        EngineConfig(decode_compile_sizes=4)
 
 
 @pytest.mark.parametrize("share", [True, False])
