@@ -303,3 +303,6 @@ def test_flashinfer_mla_runs_dsa_steps_within_topk_on_its_dense_kernel(fake_flas
     kernel_rows.clear()
     _run([[("p", 3)], [("p", 1)]], seed=6, topk=8, backend=FlashInferMLABackend, graph=2)
     assert kernel_rows == [3, 3]  # the prefill only: the graph's decode step takes the torch path
+    kernel_rows.clear()
+    _run([[("p", 3)], [("p", 1)]], seed=6, topk=64, backend=FlashInferMLABackend, graph=2)
+    assert kernel_rows == [3, 3, 3, 3]  # no sequence of the cache can exceed topk: graphs run the kernel too

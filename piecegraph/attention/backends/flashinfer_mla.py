@@ -24,10 +24,11 @@ Read from FlashInfer 0.5.3's ``flashinfer/mla.py`` and ``include/flashinfer/atte
 
 DSA (``topk > 0``) has no sparse kernel here. A step run eagerly (eager and piecewise modes: the attention op runs
 between the pieces) whose sequences hold at most ``topk`` keys each runs FlashInfer's dense kernel, which equals DSA
-there (every causal key is chosen); other steps run the torch gather path
+there (every causal key is chosen), and so does every step, full graphs included, of a cache whose ``max_seq_len``
+is at most ``topk``; other steps run the torch gather path
 (:class:`~piecegraph.attention.backends.torch_mla.TorchMLABackend`, whose per-step plan this backend also makes
-when the cache has an indexer), said once. A full CUDA graph always takes the torch path, so one captured at one
-context length replays correctly at another.
+when the cache has an indexer), said once. A full CUDA graph of a longer cache takes the torch path, so one
+captured at one context length replays correctly at another.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class FlashInferMLABackend(FlashInferBackend):
             raise ValueError(f"flashinfer MLA: q_nope/q_pe are {q_nope.dtype}/{q_pe.dtype} but the KV cache is "
                              f"{cache.dtype}; build the cache with dtype={q_nope.dtype}")
         write_latents(cache, layer, meta.slot_mapping, ckv, kpe, index_k)
-        if (topk > 0 and not self._dense_equivalent(plan, topk)) or plan.too_large:
+        if (topk > 0 and not self._dense_equivalent(cache, plan, topk)) or plan.too_large:
             self._note("DSA layers (topk > 0) run on the torch gather path: FlashInfer has no sparse MLA kernel "
                        "here" if topk > 0 else
                        "a step too large for one FlashInfer MLA plan (its 16384-item work list) runs on the torch path")
@@ -210,10 +211,13 @@ class FlashInferMLABackend(FlashInferBackend):
         if target is not out:
             out.copy_(target)
 
-    def _dense_equivalent(self, plan: MLAPlan, topk: int) -> bool:
-        """Whether a DSA layer may run FlashInfer's dense kernel this step: no sequence holds more than ``topk``
-        keys (DSA then chooses every causal key), and the step runs eagerly (a piecewise step's attention does;
-        a full graph keeps the torch path, which replays right at any length)."""
+    def _dense_equivalent(self, cache: PagedCache, plan: MLAPlan, topk: int) -> bool:
+        """Whether a DSA layer may run FlashInfer's dense kernel this step, where DSA chooses every causal key:
+        always when no sequence of the cache can hold more than ``topk`` keys (``max_seq_len``: full graphs
+        too); else when no sequence of this step does and the step runs eagerly (a piecewise step's attention
+        does; a full graph keeps the torch path, which replays right at any length)."""
+        if cache.max_seq_len <= topk:
+            return True
         return not plan.graph and not self._capturing() and max(plan.layout.kv_lens, default=0) <= topk
 
     def _groups(self, meta: AttentionMetadata, plan: MLAPlan) -> tuple:
