@@ -3,8 +3,9 @@
 window; GPT-NeoX-Japanese's) given the instance attributes of transformers' attention kind and an ``_attn`` that
 calls piecegraph's attention function on the flat forward's calls (their own otherwise); BERT-style decoder
 self-attention computed in its forward (MegatronBERT's, RemBERT's, RoFormer's with its rotary embedding, BigBird's
-full attention) given such attributes and a ``forward`` of that kind; and attention modules with fewer key/value
-heads than other layers told how often to repeat them (:mod:`piecegraph.hf.families`).
+full attention) given such attributes and a ``forward`` of that kind; ALiBi attention (BLOOM's, MPT's:
+:mod:`piecegraph.hf.adapters_alibi`) likewise, with what their base models need; and attention modules with
+fewer key/value heads than other layers told how often to repeat them (:mod:`piecegraph.hf.families`).
 :class:`~piecegraph.hf.HFDecoder`'s wrap applies them (:func:`adapt`) and its unwrap removes them
 (:func:`~piecegraph.hf.families.unadapt`).
 The numeric self-check (:mod:`piecegraph.hf.probe`) still compares the wrapped model with its own forward.
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+import piecegraph.hf.adapters_alibi as adapters_alibi
+import piecegraph.hf.adapters_misc as adapters_misc
 import piecegraph.hf.families as families
 from piecegraph.hf.arch import UnsupportedModelError, model_type
 from piecegraph.hf.attention import NAME, is_flat
@@ -107,7 +110,13 @@ def _bert_forward(self: torch.nn.Module, parameters: tuple[str, ...], *args: Any
 # (applies(module), fields(module, model)): hand-written attention modules given those fields while wrapped
 HAND_WRITTEN = [(families._is_gpt_neo_attention, _gpt_neo_fields),
                 (families._is_gpt_neox_japanese_attention, _gpt_neox_japanese_fields),
-                (families._is_bert_self_attention, _bert_fields)]
+                (families._is_bert_self_attention, _bert_fields), *adapters_alibi.HAND_WRITTEN,
+                *adapters_misc.HAND_WRITTEN]
+
+
+def uses_alibi(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds attention that passes ALiBi slopes while wrapped (BLOOM's, MPT's)."""
+    return any(applies(m) for m in model.modules() for applies, _ in adapters_alibi.HAND_WRITTEN)
 
 
 def adapt(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
@@ -125,4 +134,4 @@ def adapt(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]
                 if not any(name in module.__dict__ for name in values):
                     module.__dict__.update(values)  # plain instance attributes, not parameters or submodules
                     done.append((module, values))
-    return done + families.kv_repeats(model)
+    return done + adapters_alibi.adapt_bases(model) + adapters_misc.adapt(model) + families.kv_repeats(model)

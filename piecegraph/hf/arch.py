@@ -75,10 +75,17 @@ def check_supported(config: Any, experts_impl: str | None = None) -> None:
         if getattr(config, field, None):
             raise UnsupportedModelError(f"model_type {name!r}: config.{field} is set ({what}); piecegraph's "
                                         "attention is causal paged attention only")
-    if _alibi_field(config):
-        raise UnsupportedModelError(f"model_type {name!r}: its config enables ALiBi (attention scores biased by "
-                                    "head-wise slopes times distance, added to the attention mask); piecegraph's "
-                                    "paged attention has no additive bias and does not implement ALiBi")
+    if getattr(config, "recurrent_kv_cache_mode", None) == "last_loop":  # (dory) per_loop runs, a layer per loop
+        raise UnsupportedModelError(
+            f"model_type {name!r}: config.recurrent_kv_cache_mode is 'last_loop': its looped layers' earlier loops "
+            "attend over the keys and values the last loop cached, so its forward with a cache differs from its "
+            "forward without one; piecegraph runs each loop on a cache of its own (recurrent_kv_cache_mode="
+            "'per_loop')")
+    if getattr(config, "alibi", None):  # MPT's attn_config.alibi: its attention is adapted (adapters_alibi)
+        raise UnsupportedModelError(f"model_type {name!r}: its config enables ALiBi added to the attention mask "
+                                    "(head-wise slopes times distance, built by its base model into the mask); "
+                                    "piecegraph's attention takes ALiBi slopes from BLOOM's and MPT's attention "
+                                    "only, not from a mask")
     if experts_impl == "eager":
         raise UnsupportedModelError(
             f"model_type {name!r}: its experts run with experts_implementation='eager', a Python loop over the "
@@ -133,8 +140,8 @@ def check_structure(model: Any) -> None:
     layers = decoder_layers(model)
     if not layers:
         raise UnsupportedModelError(f"model_type {name!r}: its base model {type(base).__name__} has no list of "
-                                    f"{model.config.num_hidden_layers} decoder layers (a torch.nn.ModuleList of "
-                                    "num_hidden_layers modules)")
+                                    f"{decoder_field(model.config, 'num_hidden_layers')} decoder layers (a "
+                                    "torch.nn.ModuleList of num_hidden_layers modules)")
     plain = [i for i, layer in enumerate(layers) if layer_attention(layer) is None]
     if plain and _alibi_field(model.config) is None and hasattr(sys.modules.get(type(base).__module__),
                                                                  "build_alibi_tensor"):
@@ -149,7 +156,8 @@ def check_structure(model: Any) -> None:
             "transformers' attention interface); a recurrent, convolutional, ALiBi-biased or hand-written "
             "attention layer, which piecegraph's paged attention does not run")
     _check_attention_kind(name, layers)
-    mixed = kv_heads_refusal(name, [layer_attention(layer) for layer in layers], model.config.num_attention_heads)
+    mixed = kv_heads_refusal(name, [layer_attention(layer) for layer in layers],
+                             decoder_field(model.config, "num_attention_heads"))
     if mixed:
         raise UnsupportedModelError(mixed)
 
@@ -169,28 +177,6 @@ def _check_attention_kind(name: str, layers: list[Any]) -> None:
         f"{' or '.join(lacks)}, which piecegraph needs of a module it runs through its paged attention (causal "
         "attention of transformers' kind; an attention that does not declare itself causal may apply a mask of its "
         "own, such as a per-key bias, which the paged op cannot apply)")
-
-
-# generation_config fields whose logits processors transformers' greedy generate applies and piecegraph's does not
-# (forced_eos_token_id it applies: piecegraph.hf.generate and the engine's requests end an answer cut by its length
-# limit with it)
-_FORCED_TOKENS = ("forced_bos_token_id",)
-
-
-def check_generation(model: Any) -> None:
-    """Raise :class:`UnsupportedModelError` when ``model.generation_config`` forces a first token
-    (``forced_bos_token_id``): transformers' ``generate`` would start the answer to a one-token prompt with it,
-    piecegraph's decoding does not, so its tokens would differ. The message names the field and the fix (set it
-    to ``None``)."""
-    gen = getattr(model, "generation_config", None)
-    for field in _FORCED_TOKENS:
-        value = getattr(gen, field, None)
-        if value is not None:
-            raise UnsupportedModelError(
-                f"model_type {model_type(model.config)!r}: its generation_config.{field}={value} makes "
-                "transformers' generate force that token, which piecegraph's greedy decoding does not do; set "
-                f"model.generation_config.{field} = None to run it (its greedy tokens then equal transformers' "
-                f"generate with {field}=None)")
 
 
 def base_model_name(model: Any) -> str | None:
@@ -276,7 +262,7 @@ def decoder_layers(model: Any) -> list[Any]:
     its base model (``model.model.layers`` first), preferring one whose layers hold attention modules; ``[]``
     when it has none."""
     base = base_model(model)
-    expected = getattr(model.config, "num_hidden_layers", None)
+    expected = decoder_field(model.config, "num_hidden_layers")
     if base is None or expected is None:
         return []
     first = getattr(base, "layers", None)
@@ -287,9 +273,25 @@ def decoder_layers(model: Any) -> list[Any]:
     return (with_attention or lists or [[]])[0]
 
 
+def decoder_field(config: Any, field: str, default: Any = None) -> Any:
+    """``config.<field>`` (``num_attention_heads``, ``num_key_value_heads``, ``num_hidden_layers``) as a causal
+    LM's decoder reads it. An encoder-decoder config used for its decoder alone (BART's, Whisper's, Blenderbot's
+    ``*ForCausalLM``) maps these names to its encoder's fields (``attribute_map``: ``num_attention_heads`` ->
+    ``encoder_attention_heads``), which its decoder never reads: there the decoder's twin
+    (``decoder_attention_heads``) where the config has one."""
+    target = getattr(type(config), "attribute_map", {}).get(field)
+    if isinstance(target, str) and target.startswith("encoder_"):
+        twin = getattr(config, "decoder_" + target[len("encoder_"):], None)
+        if twin is not None:
+            return twin
+    return getattr(config, field, default)
+
+
 def head_dim(config: Any) -> int:
-    """``config.head_dim``, or ``hidden_size // num_attention_heads`` where it is missing or None."""
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    """``config.head_dim``, or ``hidden_size`` over the decoder's attention heads (:func:`decoder_field`) where it
+    is missing or None."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // decoder_field(config,
+                                                                                         "num_attention_heads"))
 
 
 def head_dims(config: Any) -> tuple[int, int]:
@@ -323,15 +325,15 @@ def cache_config(config: Any, max_seq_len: int | None = None, attention_backend:
     model, which computes them itself (RoPE scaling included). ``max_seq_len`` defaults to
     ``max_position_embeddings`` capped at :data:`MAX_DEFAULT_CACHE_LEN`.
     """
-    heads = config.num_attention_heads
+    heads = decoder_field(config, "num_attention_heads")
     longest = max_seq_len or min(int(getattr(config, "max_position_embeddings", 2048) or 2048),
                                  MAX_DEFAULT_CACHE_LEN)
     qk, v = head_dims(config)
     shape = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=int(getattr(config, "intermediate_size", None) or config.hidden_size),
-        num_layers=config.num_hidden_layers, num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=qk,
+        num_layers=decoder_field(config, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=decoder_field(config, "num_key_value_heads") or heads, head_dim=qk,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), max_seq_len=longest,
         attention_backend=attention_backend,
     )

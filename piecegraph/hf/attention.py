@@ -11,7 +11,8 @@ forward passes, whose dtype no Hugging Face mask has, marks the call instead):
 - flat (piecegraph's forward): q, k, v of ``[1, heads, T, head_dim]`` become flat ``[T, heads * head_dim]`` rows
   and go to the split op ``piecegraph_models::attention`` (KV-cache write and paged attention), with the layer's
   softmax scale, sliding window, logit softcap and attention sinks (``s_aux`` / ``sinks``: one learned logit per
-  query head) as arguments. Anything else the model asks for is refused with
+  query head) and ALiBi slopes (``alibi_slopes``, one per query head, which piecegraph's adapters of BLOOM's
+  and MPT's hand-written attention pass) as arguments. Anything else the model asks for is refused with
   an error naming the model type, never ignored.
 - otherwise (Hugging Face's own forward, ``generate``, ``generate_batch``): the function Hugging Face itself would
   call, looked up from the implementation the module's config names *now*. The model's own forward gives exactly
@@ -40,6 +41,7 @@ import torch
 import piecegraph.attention.op  # noqa: F401  (registers torch.ops.piecegraph_models.attention)
 from piecegraph.hf.arch import UnsupportedModelError, head_dims, is_projection_attention, model_type
 from piecegraph.hf.families import REPEAT, head_adapter
+from piecegraph.hf.multi_call import cache_layer
 from piecegraph.program import describe
 
 NAME = "piecegraph"
@@ -55,6 +57,10 @@ _IGNORED = frozenset({FLAT, "position_ids", "cache", "past_key_values", "cache_p
 _FEATURES = {"indices": "sparse attention over selected keys", "position_bias": "an additive position bias"}
 # The names transformers' attention calls give learned attention sinks (gpt_oss and kin: ``s_aux``).
 _SINKS = ("s_aux", "sinks")
+# Instance attribute piecegraph's adapters set on a decoder self-attention that is causal by its model's mask
+# though its is_causal says not (BigBird-Pegasus's: piecegraph.hf.adapters_misc)
+CAUSAL = "piecegraph_causal"
+ALIBI = "alibi_slopes"  # the keyword piecegraph's adapters of ALiBi attention (BLOOM, MPT) pass their slopes by
 _users: weakref.WeakSet = weakref.WeakSet()  # the live wraps; "piecegraph" stays registered while there is one
 _view_classes: dict[type, type] = {}  # config class -> its view class
 
@@ -191,8 +197,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     k = key[0].transpose(0, 1).reshape(tokens, -1)
     v = value[0].transpose(0, 1).reshape(tokens, -1)
     out = q.new_empty(tokens, heads * vdim)  # the op writes here: a stable address for the pieces after the split
-    sinks = _sinks(module, kwargs, heads)
-    torch.ops.piecegraph_models.attention(q, k, v, out, module.layer_idx, scale, window, softcap, sinks)
+    sinks, slopes = _sinks(module, kwargs, heads), _alibi_slopes(module, kwargs, heads)
+    torch.ops.piecegraph_models.attention(q, k, v, out, cache_layer(module), scale, window, softcap, sinks, slopes)
     if restore is not None:
         return restore(out.view(tokens, heads, vdim))[None], None
     return out.view(1, tokens, heads, vdim), None
@@ -204,13 +210,14 @@ def _constants(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     if args:
         raise UnsupportedModelError(f"model_type {name!r}: its attention call passes positional arguments "
                                     f"{describe(args)} that piecegraph's attention does not know")
-    unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and k not in _SINKS and v is not None)
+    unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and k not in _SINKS and k != ALIBI
+              and v is not None)
     if unknown:
         what = "".join(f" ({k}: {_FEATURES[k]})" for k in unknown if k in _FEATURES)
         raise UnsupportedModelError(f"model_type {name!r}: its attention asks for {unknown}{what}, which "
                                     "piecegraph's paged attention does not implement (so it refuses rather than "
                                     "ignore them)")
-    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+    if not (getattr(module, "is_causal", True) or getattr(module, CAUSAL, False)) or kwargs.get("is_causal") is False:
         raise UnsupportedModelError(f"model_type {name!r}: non-causal attention (is_causal is False)")
     if kwargs.get("dropout"):
         raise UnsupportedModelError(f"model_type {name!r}: attention dropout {kwargs['dropout']} (training?); "
@@ -236,6 +243,19 @@ def _sinks(module: torch.nn.Module, kwargs: dict, heads: int) -> torch.Tensor | 
             f"{[n for n, _ in given]} of shape {shapes}; piecegraph's paged attention takes one sink logit per "
             f"query head ({name} of shape ({heads},)) only")
     return sinks
+
+
+def _alibi_slopes(module: torch.nn.Module, kwargs: dict, heads: int) -> torch.Tensor | None:
+    """The layer's ALiBi slopes (``alibi_slopes``: ``[heads]``), or ``None``; refuses slopes of another shape."""
+    slopes = kwargs.get(ALIBI)
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or slopes.dim() != 1 or slopes.numel() != heads:
+        shape = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise UnsupportedModelError(f"model_type {model_type(module.config)!r}: its attention passes {ALIBI} of "
+                                    f"shape {shape}; piecegraph's paged attention takes one slope per query head "
+                                    f"(shape ({heads},)) only")
+    return slopes
 
 
 def _check_shapes(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

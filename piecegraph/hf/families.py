@@ -219,7 +219,27 @@ def block_sparse_refusal(name: str, layer: torch.nn.Module, base: str | None) ->
 
 
 # hand-written attention modules piecegraph.hf.adapters makes of transformers' attention kind while wrapped
-HAND_WRITTEN = (_is_gpt_neo_attention, _is_gpt_neox_japanese_attention, _is_bert_self_attention)
+def _is_bloom_attention(module: torch.nn.Module) -> bool:
+    """BLOOM's attention: fused ``query_key_value``, ALiBi added by ``baddbmm``, computed in its forward."""
+    return (type(module).__name__ == "BloomAttention" and isinstance(getattr(module, "query_key_value", None),
+                                                                      torch.nn.Linear)
+            and isinstance(getattr(module, "inv_norm_factor", None), float) and getattr(module, "beta", None) == 1.0)
+
+
+def _is_mpt_attention(module: torch.nn.Module) -> bool:
+    """MPT's attention: fused ``Wqkv``, its ALiBi ``position_bias`` and softmax computed in its forward."""
+    return (type(module).__name__ == "MptAttention" and isinstance(getattr(module, "Wqkv", None), torch.nn.Linear)
+            and isinstance(getattr(module, "softmax_scale", None), float))
+
+
+def _is_openai_gpt_attention(module: torch.nn.Module) -> bool:
+    """OpenAI GPT's attention: fused ``c_attn``, its causal ``bias`` buffer and softmax computed in its ``_attn``."""
+    return (type(module).__name__ == "Attention" and type(module).__module__.endswith("openai.modeling_openai")
+            and callable(getattr(module, "_attn", None)) and isinstance(getattr(module, "scale", None), bool))
+
+
+HAND_WRITTEN = (_is_gpt_neo_attention, _is_gpt_neox_japanese_attention, _is_bert_self_attention,
+                _is_bloom_attention, _is_mpt_attention, _is_openai_gpt_attention)
 
 
 def adaptable(module: torch.nn.Module) -> bool:

@@ -20,6 +20,11 @@ block) undoes it:
   the fairseq layout (XGLM's, MVP's, TrOCR's) gets ``config``, ``is_causal`` and such a ``forward``
   (:func:`piecegraph.hf.attention.adapt_projection_attention`), and so does a BERT-style decoder self-attention
   computed in its forward (MegatronBERT's, RemBERT's, RoFormer's, BigBird's), with ``scaling``; unwrap removes them;
+- OpenAI GPT's attention gets such fields and an ``_attn``, its base model a ``forward`` that marks the flat
+  forward's calls; a decoder self-attention causal by its decoder's mask though not by ``is_causal``
+  (BigBird-Pegasus's) gets ``piecegraph_causal`` (:mod:`piecegraph.hf.adapters_misc`); unwrap removes them;
+- an attention module called more than once per forward (differential attention, looped layers) gets the cache
+  layer of each call and a call count (:mod:`piecegraph.hf.multi_call`); unwrap removes them;
 - a private attribute on the model (``_piecegraph_hf``) records the above; unwrap removes it;
 - ``"piecegraph"`` is registered in transformers' ``AttentionInterface`` while any model is wrapped.
 """
@@ -35,11 +40,11 @@ import torch
 import piecegraph.hf.adapters as adapters
 import piecegraph.hf.attention as hf_attention
 import piecegraph.hf.families as families
+import piecegraph.hf.multi_call as multi_call
 import piecegraph.hf.probe as probe
 from piecegraph.hf.arch import (
     base_model_name,
     cache_config,
-    check_generation,
     check_structure,
     check_supported,
     layer_constants,
@@ -47,6 +52,7 @@ from piecegraph.hf.arch import (
     output_head_names,
 )
 from piecegraph.hf.attention import FLAT, is_view
+from piecegraph.hf.generation_check import check_generation
 from piecegraph.hf.positions import FlatPositions
 from piecegraph.models.facts import ModelFacts, measure
 
@@ -133,18 +139,17 @@ class HFDecoder(torch.nn.Module):
     """A Hugging Face causal LM over flat tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
 
     Constraints: a decoder-only causal LM that passes :func:`~piecegraph.hf.arch.check_supported`,
-    :func:`~piecegraph.hf.arch.check_structure`, :func:`~piecegraph.hf.arch.check_generation` (no first token
-    forced by its ``generation_config``; generation forces a last one) and, unless ``verify`` is False, the
-    numeric self-check :func:`piecegraph.hf.probe.verify` (a short probe through piecegraph's attention against
-    the model's own forward, once per model instance; ``verify=None`` runs it unless the environment sets
-    ``PIECEGRAPH_HF_VERIFY=0``): else :class:`UnsupportedModelError` naming its model_type, the feature or the
-    first layer that differs, and the model is left unwrapped. In eval mode (the wrapper puts it there), called
-    inside ``piecegraph.forward_context`` of
-    :class:`~piecegraph.attention.AttentionMetadata` on a :class:`~piecegraph.attention.KVCache` built from
-    :attr:`config` (``KVCache.for_sequences(wrapped.config, ...)``). ``config`` is a
-    :class:`~piecegraph.models.ModelConfig` of the cache shape (what ``piecegraph.models.generate``, ``KVCache``
-    and the bench read); the model's own config is ``hf_config``. :meth:`logits` applies ``lm_head`` (and a final
-    logit softcap, Gemma 2) to the rows given, usually each sequence's last token. ``HFDecoder(model)`` of a
+    :func:`~piecegraph.hf.arch.check_structure`, :func:`~piecegraph.hf.generation_check.check_generation` (no logits
+    processor of its ``generation_config`` that greedy decoding skips; a forced last token is applied) and, unless
+    ``verify`` is False, the numeric self-check :func:`piecegraph.hf.probe.verify` (a short probe through piecegraph's
+    attention against the model's own forward, once per model instance; ``verify=None`` runs it unless the environment
+    sets ``PIECEGRAPH_HF_VERIFY=0``): else :class:`UnsupportedModelError` naming its model_type, the feature or the
+    first layer that differs, and the model is left unwrapped. In eval mode (the wrapper puts it there), called inside
+    ``piecegraph.forward_context`` of :class:`~piecegraph.attention.AttentionMetadata` on a
+    :class:`~piecegraph.attention.KVCache` built from :attr:`config` (``KVCache.for_sequences(wrapped.config, ...)``).
+    ``config`` is a :class:`~piecegraph.models.ModelConfig` of the cache shape (what ``piecegraph.models.generate``,
+    ``KVCache`` and the bench read); the model's own config is ``hf_config``. :meth:`logits` applies ``lm_head`` (and a
+    final logit softcap, Gemma 2) to the rows given, usually each sequence's last token. ``HFDecoder(model)`` of a
     multi-head latent attention model (``deepseek_v2``, ``deepseek_v3``, ``glm_moe_dsa``) returns a
     :class:`~piecegraph.hf.mla.MLAHFDecoder` instead: the engine's MLA decoder on the model's own tensors.
 
@@ -202,6 +207,13 @@ class HFDecoder(torch.nn.Module):
         widest = families.widest_kv_heads(model)  # layers of several key/value head counts: the cache holds the most
         if widest is not None:
             self.config = self.config.replace(num_kv_heads=widest)
+        # attention modules called more than once per forward (differential attention, looped layers): a cache
+        # layer per call, appended after the model's own (piecegraph.hf.multi_call)
+        self._multi_calls: tuple[torch.nn.Module, ...] = ()  # (the flat forward reads it)
+        layers, self._multi_calls, assigned = multi_call.install(self, hf_attention.NAME)
+        state.adapted += assigned
+        if layers != self.config.num_layers:
+            self.config = self.config.replace(num_layers=layers)
         self.constants = layer_constants(model)
         self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
         # the head's scale as the model applies it: Cohere multiplies by model.logit_scale, Granite divides by
@@ -294,6 +306,7 @@ class HFDecoder(torch.nn.Module):
         # A 4D mask makes Hugging Face's mask builders return it as is: no [T, T] mask is built (attention is
         # paged and causal in the op, which ignores it).
         no_mask = hf_attention.placeholder_mask(input_ids.device)
+        multi_call.reset(self._multi_calls)  # each call of a module called more than once: its own cache layer
         base = getattr(self.hf, self.base_name)
         inputs = dict(input_ids=input_ids[None], position_ids=positions[None], attention_mask=no_mask,
                       use_cache=False, return_dict=False, **{FLAT: True})
@@ -329,9 +342,12 @@ class HFDecoder(torch.nn.Module):
 
     def check_backend(self, backend_name: str) -> None:
         """Refuse, naming the model type, a backend that cannot run every layer's constants (FlashInfer plans one
-        scale for all layers, and no sliding window shorter than the cache or softcap)."""
+        scale for all layers, and no sliding window shorter than the cache, softcap or ALiBi)."""
         if backend_name != "flashinfer":
             return
+        if adapters.uses_alibi(self.hf):
+            raise ValueError(f"model_type {self.model_type!r}: its attention adds ALiBi (alibi_slopes), which the "
+                             "flashinfer attention backend does not implement; use attention_backend='torch'")
         scale = self.config.head_dim ** -0.5
         for i, c in enumerate(self.constants):
             window = c["window"] if c["window"] and c["window"] < self.config.max_seq_len else None

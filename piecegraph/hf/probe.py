@@ -7,9 +7,10 @@ compares them with the model's own forward (its configured attention, no cache) 
 transformers' ``generate`` calls it (``position_ids`` 0, 1, ... where the forward takes them: RoBERTa's kin
 number positions from their padding index only when not given any, which ``generate`` never lets happen):
 
-- every decoder layer calls transformers' attention interface exactly once per forward, each with its own
-  ``layer_idx``, and the call is known as piecegraph's (a recurrent, convolutional or hand-written attention
-  layer does not call it; a differential attention calls it twice; either would run wrong);
+- every decoder layer calls transformers' attention interface once per forward with its own ``layer_idx`` (or
+  as often as it was given cache layers for when wrapped: differential attention, looped layers; see
+  :mod:`piecegraph.hf.multi_call`), and the call is known as piecegraph's (a recurrent, convolutional or
+  hand-written attention layer does not call it, and would run wrong);
 - every layer's hidden states and the logits agree within the dtype's tolerance (:data:`TOLERANCE`, relative,
   over all probe rows), and each greedy token the model's own forward picks is piecegraph's greedy token too
   (a near-tie within rounding excepted).
@@ -35,6 +36,7 @@ from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.hf.arch import UnsupportedModelError, decoder_layers, model_type
 from piecegraph.hf.attention import NAME, is_flat
+from piecegraph.hf.multi_call import calls_per_layer
 
 # Relative tolerance (Frobenius norm of the difference over that of the reference) per dtype, for every
 # layer's hidden states and the logits. float32 runs agree to ~1e-6; a wrong computation differs by ~1e-1.
@@ -129,7 +131,7 @@ def _run(decoder: Any) -> Verdict:
     except Exception as err:  # noqa: BLE001  (any failure of the flat forward is a refusal, named)
         return Verdict(name, False, f"model_type {name!r}: its forward fails under piecegraph's flat attention "
                                     f"({type(err).__name__}: {str(err).strip()[:300]})")
-    problem = _attention_calls(name, calls, len(layers))
+    problem = _attention_calls(name, calls, calls_per_layer(decoder, layers))
     if problem:
         return Verdict(name, False, problem)
     return _compare(name, decoder, layers, ref_tokens, ref_logits, ref_hidden, got_logits, got_hidden)
@@ -163,7 +165,7 @@ def _reference(hf: torch.nn.Module, layers: list, prompt: list[int]) -> tuple[li
         tokens.append(int(logits[-1].argmax()))
         if not last:
             ids.append(tokens[-1])
-    return tokens, logits, [rows[0] for rows in hidden]
+    return tokens, logits, [rows[-1] for rows in hidden]  # a layer run more than once (loops): its last run
 
 
 def _takes_position_ids(hf: torch.nn.Module) -> bool:
@@ -231,8 +233,10 @@ def _per_prompt(steps: list[torch.Tensor], lens: list[int]) -> list[torch.Tensor
     return [torch.cat([prefill[i]] + [s[i: i + 1] for s in steps[1:]]) for i in range(len(lens))]
 
 
-def _attention_calls(name: str, calls: list[tuple[int, Any]], num_layers: int) -> str:
-    """Why the attention calls of the probe's forwards show a layer piecegraph does not run, or ""."""
+def _attention_calls(name: str, calls: list[tuple[int, Any]], expected: list[int]) -> str:
+    """Why the attention calls of the probe's forwards show a layer piecegraph does not run, or "". ``expected``:
+    per decoder layer, the calls per forward it was given cache layers for (:mod:`piecegraph.hf.multi_call`)."""
+    num_layers = len(expected)
     dropped = sorted({layer for layer, idx in calls if idx is DROPPED})
     if dropped:
         return (f"model_type {name!r}: decoder layers {dropped} call attention without the keyword arguments or the "
@@ -245,11 +249,12 @@ def _attention_calls(name: str, calls: list[tuple[int, Any]], num_layers: int) -
         return (f"model_type {name!r}: decoder layers {missing} never call transformers' attention interface (a "
                 "recurrent, convolutional or linear-attention layer, or attention computed in the modeling code): "
                 "piecegraph's paged attention would not run there")
-    many = [i for i, n in enumerate(counts) if n > 1]
-    if many or len(calls) != NEW_TOKENS * num_layers:
+    many = [i for i, n in enumerate(counts) if n != expected[i]]
+    if many or len(calls) != NEW_TOKENS * sum(expected):
         return (f"model_type {name!r}: decoder layers {many or 'some'} call the attention interface more than once "
-                "per forward; piecegraph's paged cache holds one attention per layer")
-    indices = [idx for _, idx in first]
+                f"per forward ({counts} calls per layer, where a cache layer was given to {expected} of them when "
+                "wrapped); piecegraph's paged cache holds one attention per call")
+    indices = [idx for _, idx in dict.fromkeys(first)]  # a module called again (its own cache layer) counts once
     if sorted(i for i in indices if isinstance(i, int)) != list(range(num_layers)):
         return (f"model_type {name!r}: its attention modules' layer_idx are {indices}, not one per layer "
                 f"(0..{num_layers - 1}): layers sharing or skipping a KV cache are not supported")

@@ -172,9 +172,10 @@ def test_cache_is_sized_from_the_hf_config():
 
 
 def test_unsupported_models_are_refused_naming_their_type():
-    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))
-    with pytest.raises(pghf.UnsupportedModelError, match="'bloom'.*ALiBi"):
-        piecegraph.compile(bloom)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, alibi=True))
+    with pytest.raises(pghf.UnsupportedModelError, match="'falcon'.*ALiBi"):
+        piecegraph.compile(falcon)
     eager_moe = tiny("mixtral", experts_implementation="eager")
     with pytest.raises(pghf.UnsupportedModelError, match="'mixtral'.*batched_mm"):
         pghf.HFDecoder(eager_moe)

@@ -163,7 +163,7 @@ def test_an_attention_that_does_not_declare_itself_causal_is_refused():
 
 
 def test_hand_written_attention_is_refused():
-    assert "hand-written" in refusal(model(config("openai-gpt", **BASE)))
+    assert "hand-written" in refusal(model(config("xlm", **BASE)))
 
 
 # ---------------------------------------------------------------------- GPT-Neo

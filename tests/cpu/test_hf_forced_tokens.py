@@ -75,6 +75,27 @@ def test_a_forced_first_token_is_refused_naming_it():
     assert not hasattr(model, "_piecegraph_hf") and not model.model.decoder.embed_positions._forward_pre_hooks
 
 
+@pytest.mark.parametrize("field, value, changes", [
+    ("repetition_penalty", 1.5, True), ("no_repeat_ngram_size", 1, True), ("bad_words_ids", "argmax", True),
+    ("min_new_tokens", NEW, False), ("num_beams", 2, False)])
+def test_a_generation_config_that_changes_greedy_tokens_is_refused_naming_the_field(field, value, changes):
+    """A logits processor (or search) of the generation_config that piecegraph's greedy decoding does not apply
+    changes transformers' tokens (checked where this model's repetitive answer shows it: its tokens differ from its
+    greedy tokens without it), and piecegraph refuses the model naming the field and its neutral value, instead of
+    answering differently."""
+    from piecegraph.hf.generation_check import NEUTRAL
+
+    model = tiny("bart")
+    model.generation_config.forced_eos_token_id = None  # only the field under test differs from plain greedy
+    plain = reference(model, PROMPTS[0], max_new_tokens=NEW)
+    if value == "argmax":  # ban the first greedy token: the answer must change
+        value = [[plain[0]]]
+    setattr(model.generation_config, field, value)
+    assert (reference(model, PROMPTS[0], max_new_tokens=NEW) != plain) == changes  # transformers' answer with it
+    with pytest.raises(pghf.UnsupportedModelError, match=rf"generation_config\.{field}=.*= {NEUTRAL[field]!r}"):
+        pghf.generate(model, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
+
+
 def test_serve_forces_the_models_eos_as_transformers(tmp_path):
     """``piecegraph serve FOLDER``'s path: the folder's generation_config forces EOS (Marian: id 0, no EOS id, so
     the text goes on to it), the server's tokenizer reads it, the engine's request puts it last."""

@@ -41,6 +41,8 @@ def tiny(model_type):
                 param.normal_(0, 0.1)
             elif param.dim() >= 2 and "norm" not in name:
                 param.normal_(0, param.shape[-1] ** -0.5)
+    # Blenderbot's default bans n-grams of the prompt (a processor piecegraph refuses: test_hf_forced_tokens.py)
+    model.generation_config.encoder_no_repeat_ngram_size = 0
     return model
 
 

@@ -37,7 +37,8 @@ class AttentionBackend(Protocol):
         fill ``out`` ``[n, H, Dv]``. ``n = meta.num_tokens``.
 
         ``constants`` are passed only when a layer needs them (Hugging Face models): ``scale`` (else
-        ``head_dim ** -0.5``), ``window`` (sliding window), ``softcap`` (tanh logit cap). A backend that cannot
+        ``head_dim ** -0.5``), ``window`` (sliding window), ``softcap`` (tanh logit cap), ``sinks`` (one softmax
+        logit per query head), ``alibi_slopes`` (ALiBi: one slope per query head). A backend that cannot
         honour one raises ``ValueError`` saying so, never attends without it."""
 
     def for_cuda_graph(self, meta: "AttentionMetadata", size: int) -> "AttentionMetadata":

@@ -305,8 +305,13 @@ class FlashInferBackend:
     # -- the op (inside the split op, per layer) --------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
                 meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                alibi_slopes: torch.Tensor | None = None) -> None:
         cache, plan = meta.cache, meta.plan
+        if alibi_slopes is not None:
+            raise ValueError(f"flashinfer attention: layer {layer} takes alibi_slopes (ALiBi position biases), which "
+                             "piecegraph's FlashInfer backend does not pass to FlashInfer's kernels; use "
+                             "attention_backend='torch'")
         if sinks is not None:
             raise ValueError(f"flashinfer attention: layer {layer} takes attention sinks (learned per-head softmax "
                              "logits), which piecegraph's FlashInfer backend does not pass to FlashInfer's kernels; "

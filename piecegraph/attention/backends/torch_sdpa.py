@@ -9,7 +9,8 @@ GQA is folded into SDPA's query-length dimension (``[B, Hkv, G * Q, D]`` against
 head serves G query heads, so this is exact, and it avoids ``enable_gqa`` (which rules out the
 memory-efficient kernel on CUDA). The mask is additive (0 / -inf): an all-zero mask (a zero-padded decode row of
 a full graph) attends everything on the scratch page and stays finite. A softcap or attention sinks (learned
-per-head logits that join the softmax denominator only) take an explicit float32 softmax instead of SDPA.
+per-head logits that join the softmax denominator only) take an explicit float32 softmax instead of SDPA; so
+does ALiBi (per-head slopes times the key's distance behind the query, added to the scaled scores in float32).
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ class TorchBackend:
     # -- the op (inside the split op, per layer) --------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
                 meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                alibi_slopes: torch.Tensor | None = None) -> None:
         """See :class:`~piecegraph.attention.backends.AttentionBackend`. ``scale`` overrides ``head_dim ** -0.5``;
         ``window`` hides keys at positions <= the query's minus ``window``; ``softcap`` caps scores with tanh;
-        ``sinks`` ``[heads]``: one logit per query head added to the softmax denominator (no value)."""
+        ``sinks`` ``[heads]``: one logit per query head added to the softmax denominator (no value);
+        ``alibi_slopes`` ``[heads]``: ALiBi, ``slope * (key_position - query_position)`` added to scaled scores."""
         cache = meta.cache
         extra = {"scale": scale or self.scale, "softcap": softcap}
         sink = None if sinks is None else sinks.float().view(1, cache.num_kv_heads, self.group, 1, 1)
+        slopes = None if alibi_slopes is None else alibi_slopes.float().view(1, cache.num_kv_heads, self.group, 1, 1)
         kc, vc = cache.k[layer], cache.v[layer]
         heads_kv, dim, vdim = cache.num_kv_heads, cache.head_dim, vc.shape[-1]
         # One index_copy per tensor; pad tokens (slot 0) all land on the scratch page, harmlessly.
@@ -122,8 +126,9 @@ class TorchBackend:
         if meta.is_decode:
             n = q.shape[0]
             mask = meta.mask if window is None else _windowed(meta.mask, (meta.kv_lens - 1).view(n, 1, 1, 1), window)
+            bias = _alibi(slopes, (meta.kv_lens - 1).view(n, 1, 1, 1, 1), mask.shape[-1])
             o = self._attend(q.view(n, heads_kv, self.group, dim), kc, vc, meta.page_table, mask,
-                             sinks=_sink_column(sink, 1), **extra)
+                             sinks=_sink_column(sink, 1), bias=bias, **extra)
             out.copy_(o.reshape(n, -1, vdim))
             return
         for g in meta.plan:
@@ -133,28 +138,31 @@ class TorchBackend:
             if window is not None:
                 shape = (g.batch, 1, self.group, g.qmax, mask.shape[-1])
                 mask = _windowed(mask.view(shape), g.qpos, window).view(mask.shape)
-            o = self._attend(qg, kc, vc, g.page_table, mask, sinks=_sink_column(sink, g.qmax), **extra)
+            bias = _alibi(slopes, g.qpos, mask.shape[-1])
+            o = self._attend(qg, kc, vc, g.page_table, mask, sinks=_sink_column(sink, g.qmax), bias=bias, **extra)
             o = o.view(g.batch, heads_kv, self.group, g.qmax, vdim).permute(0, 3, 1, 2, 4)
             o = o.reshape(g.batch * g.qmax, heads_kv * self.group, vdim)
             out.index_copy_(0, g.token_index, o.index_select(0, g.out_index))
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, page_table: torch.Tensor,
                 mask: torch.Tensor, scale: float, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` ``[B, Hkv, M, D]`` against the pages of ``page_table`` ``[B, W]``; ``mask`` ``[B, 1, M|1, L]``;
-        ``sinks`` ``[1, Hkv, M, 1]`` float32 or ``None``. Returns ``[B, Hkv, M, Dv]`` (``Dv``: the value cache's
-        width, which may differ from ``D``)."""
+        ``sinks`` ``[1, Hkv, M, 1]`` float32 or ``None``; ``bias`` ``[B, Hkv, M, L]`` float32 (ALiBi) or ``None``.
+        Returns ``[B, Hkv, M, Dv]`` (``Dv``: the value cache's width, which may differ from ``D``)."""
         batch, width = page_table.shape
         length = width * kc.shape[1]
         keys = kc[page_table].view(batch, length, kc.shape[2], kc.shape[3]).transpose(1, 2).to(q.dtype)
         values = vc[page_table].view(batch, length, vc.shape[2], vc.shape[3]).transpose(1, 2).to(q.dtype)
-        if softcap is None and sinks is None:
+        if softcap is None and sinks is None and bias is None:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=scale)
         # SDPA has neither: scores, tanh cap, mask, float32 softmax, as Hugging Face's eager attention does
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores + mask.to(q.dtype)
+        if bias is not None:  # in float32, as MPT adds its float32 bias (BLOOM's, rounded to the model dtype first)
+            scores = scores.float() + bias
+        scores = scores + mask.to(scores.dtype)
         if sinks is None:
             return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
         # the sink is one more logit per row with no value: softmax over [scores, sink], then drop its column
@@ -168,6 +176,17 @@ def _sink_column(sink: torch.Tensor | None, qmax: int) -> torch.Tensor | None:
     if sink is None:
         return None
     return sink.expand(-1, -1, -1, qmax, -1).reshape(1, sink.shape[1], -1, 1)
+
+
+def _alibi(slopes: torch.Tensor | None, qpos: torch.Tensor, length: int) -> torch.Tensor | None:
+    """ALiBi's bias for a folded problem: ``slopes`` ``[1, Hkv, G, 1, 1]`` float32 times each key's position
+    (``0..length-1``) minus its query's (``qpos`` ``[B, 1, 1, Q, 1]``), as ``[B, Hkv, G * Q, length]``; ``None``
+    without slopes."""
+    if slopes is None:
+        return None
+    keys = torch.arange(length, device=slopes.device, dtype=torch.float32)
+    bias = slopes * (keys - qpos.to(torch.float32))
+    return bias.reshape(bias.shape[0], slopes.shape[1], -1, length)
 
 
 def _windowed(mask: torch.Tensor, qpos: torch.Tensor, window: int) -> torch.Tensor:
