@@ -126,12 +126,5 @@ def adapt(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]
     to repeat them (:func:`~piecegraph.hf.families.kv_repeats`); returns ``(module, attributes set)`` for
     :func:`~piecegraph.hf.families.unadapt` and :func:`~piecegraph.hf.families.readapt`. A module one of whose
     attributes is already an instance attribute is left alone (idempotent)."""
-    done = []
-    for module in model.modules():
-        for applies, fields in HAND_WRITTEN:
-            if applies(module) and families.adaptable(module):
-                values = fields(module, model)
-                if not any(name in module.__dict__ for name in values):
-                    module.__dict__.update(values)  # plain instance attributes, not parameters or submodules
-                    done.append((module, values))
+    done = families.set_fields(model, HAND_WRITTEN, only=families.adaptable)
     return done + adapters_alibi.adapt_bases(model) + adapters_misc.adapt(model) + families.kv_repeats(model)

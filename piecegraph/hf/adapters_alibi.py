@@ -162,12 +162,4 @@ BASE_MODELS = [(_is_bloom_model, _bloom_model_fields), (_is_mpt_model, _mpt_mode
 def adapt_bases(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
     """Give the base models of :data:`BASE_MODELS` in ``model`` their fields (left alone where one is an instance
     attribute already); returns ``(module, attributes set)`` for :func:`~piecegraph.hf.families.unadapt`."""
-    done = []
-    for module in model.modules():
-        for applies, fields in BASE_MODELS:
-            if applies(module):
-                values = fields(module, model)
-                if not any(name in module.__dict__ for name in values):
-                    module.__dict__.update(values)
-                    done.append((module, values))
-    return done
+    return families.set_fields(model, BASE_MODELS)

@@ -107,14 +107,7 @@ def adapt(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]
     self-attention that is causal by its mask (:func:`_causal_by_mask`) with
     :data:`~piecegraph.hf.attention.CAUSAL` (left alone where an attribute is an instance attribute already);
     returns ``(module, attributes set)`` for :func:`~piecegraph.hf.families.unadapt`."""
-    done = []
-    for module in model.modules():
-        for applies, fields in BASE_MODELS:
-            if applies(module):
-                values = fields(module, model)
-                if not any(name in module.__dict__ for name in values):
-                    module.__dict__.update(values)
-                    done.append((module, values))
+    done = families.set_fields(model, BASE_MODELS)
     for layer in decoder_layers(model):
         attn = getattr(layer, "self_attn", None)
         if _causal_by_mask(attn) and CAUSAL not in attn.__dict__:

@@ -248,6 +248,23 @@ def adaptable(module: torch.nn.Module) -> bool:
     return any(applies(module) for applies in HAND_WRITTEN) and not {"_attn", "forward"} & module.__dict__.keys()
 
 
+def set_fields(model: torch.nn.Module, table: Any, only: Callable[[torch.nn.Module], bool] = lambda m: True
+               ) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
+    """Give each module of ``model`` that an ``(applies(module), fields(module, model))`` entry of ``table``
+    matches (and ``only`` accepts) those fields as plain instance attributes (no parameter or submodule is added),
+    leaving alone a module one of whose fields is an instance attribute already (idempotent); returns
+    ``(module, attributes set)`` for :func:`unadapt` and :func:`readapt`."""
+    done = []
+    for module in model.modules():
+        for applies, fields in table:
+            if applies(module) and only(module):
+                values = fields(module, model)
+                if not any(name in module.__dict__ for name in values):
+                    module.__dict__.update(values)
+                    done.append((module, values))
+    return done
+
+
 def unadapt(done: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
     """Undo :func:`piecegraph.hf.adapters.adapt` (or the like): remove the attributes it set (those still set to
     what it set)."""
