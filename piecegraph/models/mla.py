@@ -22,6 +22,7 @@ from piecegraph.models.decoder import MLP, Decoder, RMSNorm
 from piecegraph.models.deepseek_moe import DeepseekMoE, keep_float32
 from piecegraph.models.facts import ModelFacts, measure
 from piecegraph.models.mla_config import MLAConfig
+from piecegraph.models.moe import fill_random
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps
 LORA_NORM_EPS = 1e-6
@@ -279,14 +280,8 @@ class MLADecoder(Decoder):
         if device.type == "meta":
             return model.eval()  # nothing to fill
         gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.05, generator=gen)
-                elif param.dim() >= 2 and name != "model.embed_tokens.weight":
-                    param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
-                else:
-                    param.normal_(0.0, 0.02, generator=gen)
+        fill_random(model, gen)
+        with torch.no_grad():  # after the parameters, as before: the same seed gives the same model
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, 0.01, generator=gen)

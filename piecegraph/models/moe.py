@@ -171,6 +171,19 @@ class MoEModel(Model):
         self.rotary_emb = Rotary(config.head_dim, config.rope_theta)
 
 
+def fill_random(model: nn.Module, gen: torch.Generator) -> None:
+    """Draw ``model``'s parameters in place from ``gen`` (on their device): norm weights ~ 1 + N(0, 0.05),
+    embeddings and vectors ~ N(0, 0.02), every other matrix ~ N(0, 1/fan_in), fan_in being its last dim."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.05, generator=gen)
+            elif param.dim() >= 2 and name != "model.embed_tokens.weight":
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
 class MoEDecoder(Decoder):
     """A Qwen2-MoE-style causal LM over flat tokens: :class:`Decoder`'s ``forward`` and ``logits`` (same
     constraints: run inside ``piecegraph.forward_context(AttentionMetadata(...))``; ``T`` dynamic, no host reads).
@@ -206,13 +219,5 @@ class MoEDecoder(Decoder):
         model = model.to(dtype=dtype).to_empty(device=device)
         if config.tie_embeddings:  # to_empty makes new tensors per module: tie them again
             model.lm_head.weight = model.model.embed_tokens.weight
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.05, generator=gen)
-                elif param.dim() >= 2 and name != "model.embed_tokens.weight":
-                    param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
-                else:
-                    param.normal_(0.0, 0.02, generator=gen)
+        fill_random(model, torch.Generator(device=device).manual_seed(seed))
         return model.eval()
