@@ -306,3 +306,18 @@ def test_flashinfer_mla_runs_dsa_steps_within_topk_on_its_dense_kernel(fake_flas
     kernel_rows.clear()
     _run([[("p", 3)], [("p", 1)]], seed=6, topk=64, backend=FlashInferMLABackend, graph=2)
     assert kernel_rows == [3, 3, 3, 3]  # no sequence of the cache can exceed topk: graphs run the kernel too
+
+
+@dataclass(frozen=True)
+class SharedShape(Shape):
+    """GLM-5's layout: layer 1 reuses layer 0's DSA choice and keeps no index keys."""
+
+    layer_indexer_types: tuple = ("full", "shared")
+
+
+def test_index_tensors_for_a_layer_that_keeps_no_index_keys_are_refused():
+    cache, model = KVCache(SharedShape(), 20, 4), Model(0)
+    assert cache.index_k[0].numel() and not cache.index_k[1].numel()
+    meta = AttentionMetadata.for_batch(cache, [("a", 0, 3)])
+    with pytest.raises(ValueError, match="layer 1: index tensors were given, but the cache keeps no indexer keys"):
+        _op(cache, meta, model, model.tokens(3), 1, 2, 0, indexer=True)
