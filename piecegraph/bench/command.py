@@ -297,6 +297,8 @@ def _run_profile(net: torch.nn.Module, facts: ModelFacts, spec: tuple[str, int],
     table.add_column("what")
     table.add_column("value", justify="right", max_width=100, overflow="fold")
     for key, value in result.items():
+        if key == "timeline":  # the per-kernel rows go to the JSON; the table keeps their summary
+            value = {k: v for k, v in value.items() if k != "rows"}
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
     return result

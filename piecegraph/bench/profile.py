@@ -114,7 +114,10 @@ def _kernel_summary(events: list[Any], steps: int, top: int = 6) -> dict[str, An
     ranges = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     gaps = [max(0.0, start - prev_end) for (_, prev_end), (start, _) in zip(ranges, ranges[1:])]
     busy_us = sum(by_name.values())
+    gemm_us = sum(us for name, us in by_name.items() if is_gemm_kernel(name))
     return {
+        "timeline": step_timeline(kernels, len(kernels) // steps),
+        "gemm_ms_per_step": gemm_us / 1e3 / steps,
         "gpu_kernels_per_step": len(kernels) / steps,
         "gpu_kernel_ms_per_step": busy_us / 1e3 / steps,
         # from the first kernel's start to the last one's end, per step: busy + the gaps between kernels
@@ -122,6 +125,46 @@ def _kernel_summary(events: list[Any], steps: int, top: int = 6) -> dict[str, An
         "median_gap_us": round(statistics.median(gaps), 2) if gaps else 0.0,
         "top_kernels_ms_per_step": {name[:80]: round(us / 1e3 / steps, 4) for name, us in ranked},
     }
+
+
+# Name fragments of matrix-multiply kernels: cuBLAS's (nvjet on sm90, *gemm* elsewhere), CUTLASS's, Triton's
+# (Inductor's templates and piecegraph's small-batch linear)
+_GEMM_NAMES = ("gemm", "nvjet", "cutlass", "gemv", "small_linear", "triton_tem_fused_mm", "_mm_", "xmma")
+
+
+_ATTENTION_NAMES = ("attention", "attn", "flashinfer", "flash", "paged", "mla", "sdpa")
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """Whether a kernel name is a matrix multiply's (cuBLAS, CUTLASS, Triton templates): the kernels that read the
+    weights, so their summed time against the weight bytes is the step's GEMM bandwidth."""
+    lowered = name.lower()
+    return any(fragment in lowered for fragment in _GEMM_NAMES)
+
+
+def step_timeline(kernels: list[Any], per_step: int) -> dict[str, Any]:
+    """The last profiled step's kernels in launch order: ``[name (60 chars), us, gap before it in us]`` each,
+    the kernel count, the summed gaps and the gap share of the step's span, and microseconds by kind
+    (``gemm`` | ``attention`` | ``other``): where a step's time goes between kernels and inside them."""
+    if per_step < 1:
+        return {}
+    last = sorted(kernels, key=lambda e: e.time_range.start)[-per_step:]
+    rows, gaps, by_kind = [], 0.0, {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    prev_end = None
+    for e in last:
+        start, end = e.time_range.start, e.time_range.end
+        gap = max(0.0, start - prev_end) if prev_end is not None else 0.0
+        gaps += gap
+        prev_end = end
+        us = end - start
+        kind = ("gemm" if is_gemm_kernel(e.name) else
+                "attention" if any(k in e.name.lower() for k in _ATTENTION_NAMES) else "other")
+        by_kind[kind] += us
+        rows.append([e.name[:60], round(us, 2), round(gap, 2)])
+    span = last[-1].time_range.end - last[0].time_range.start
+    return {"kernels": len(last), "span_us": round(span, 1), "gaps_us": round(gaps, 1),
+            "gap_share": round(gaps / span, 3) if span else 0.0,
+            "us_by_kind": {k: round(v, 1) for k, v in by_kind.items()}, "rows": rows}
 
 
 def _device_us(event: Any) -> float:
@@ -159,6 +202,8 @@ def profile_step(model: torch.nn.Module, facts: ModelFacts, mode: str, batch: in
         prep.close()
     result = {"mode": mode, "batch": batch, "context": context, "attention_backend": cache.backend.name,
               "pieces": stats.get("pieces"), "step_gpu_ms": gpu_ms, **cpu, **counts}
+    if counts.get("gemm_ms_per_step"):  # the weights' read rate inside the GEMMs alone (the step's floor is all of it)
+        result["gemm_gbs"] = round(facts.weight_bytes_read(batch) / counts["gemm_ms_per_step"] / 1e6, 1)
     # What is neither a graph launch nor a split op: staging copies, output clones, Python glue.
     launch_ms = max(cpu["replay_cpu_ms"], cpu["piece_call_cpu_ms"])
     result["other_cpu_ms"] = max(0.0, cpu["step_cpu_ms"] - launch_ms - counts["split_cpu_ms_per_step"])

@@ -502,3 +502,25 @@ def test_decode_batches_whose_kv_cache_cannot_fit_are_skipped_with_the_reason(mo
         fitting_batches(facts, [256], 256, lines.append)
     cpu = SimpleNamespace(device=torch.device("cpu"), config=object(), kv_bytes_per_token=lambda: per_token)
     assert fitting_batches(cpu, [4096], 10**6, lines.append) == ([4096], [])
+
+
+def test_step_timeline_orders_the_last_steps_kernels_and_sums_their_gaps_by_kind():
+    """A profile of two steps of three kernels each: the timeline is the second step's, in start order, each
+    kernel's gap after the previous one; GEMM, attention and other time add up per kind."""
+    from types import SimpleNamespace
+
+    from piecegraph.bench.profile import is_gemm_kernel, step_timeline
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    step = [("nvjet_sm90_tst_64x8", 0.0, 10.0), ("BatchPrefillWithPagedKVCacheKernel", 12.0, 15.0),
+            ("triton_poi_fused_add_0", 16.5, 17.0)]
+    kernels = [kernel(n, s + 100 * i, e + 100 * i) for i in (1, 0) for n, s, e in step]  # out of order on purpose
+    timeline = step_timeline(kernels, 3)
+    assert [row[0] for row in timeline["rows"]] == [n for n, _, _ in step]
+    assert [row[2] for row in timeline["rows"]] == [0.0, 2.0, 1.5]
+    assert timeline["kernels"] == 3 and timeline["span_us"] == 17.0 and timeline["gaps_us"] == 3.5
+    assert timeline["us_by_kind"] == {"gemm": 10.0, "attention": 3.0, "other": 0.5}
+    assert is_gemm_kernel("void cutlass::Kernel2<x>") and not is_gemm_kernel("triton_red_fused_mean_1")
+    assert step_timeline(kernels, 0) == {}
