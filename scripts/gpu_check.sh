@@ -156,7 +156,7 @@ if has moe; then  # the MoE preset benched per mode in bf16 and FP8 side by side
   for group in ${MOE_MODES:-eager,breakable,piecewise full-compiled auto}; do
     python3 -m piecegraph.cli bench --model "$MOE_MODEL" --quant "${MOE_BENCH_QUANTS:-bf16,fp8}" --device cuda \
       --attention flashinfer --modes "$group" --batches "${BATCHES:-1,10,256,1024}" \
-      --prefill "${PREFILL:-16,512,2048}" \
+      --prefill "${PREFILL:-16,512,2048}" ${MOE_BENCH_ARGS:-} \
       --json "$(name "moe_bf16_fp8_bench_${group//,/-}")" 2>&1 | tee -a "$OUT/moe_bench.log"
     ok "${PIPESTATUS[0]}"
   done
