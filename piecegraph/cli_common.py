@@ -58,12 +58,18 @@ QUANTS = ("bf16", "fp8")
 MODEL_HELP = " | ".join(PRESETS) + " | PATH (auto: tiny on CPU, 0.5B shape on GPU)"  # --model of every command
 
 
-def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16"):
+def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16",
+               optimize: bool = True):
     """A preset of :data:`PRESETS` (random reference decoders, dense, MoE or MLA) or a local checkpoint directory:
     the reference decoder for Qwen2/Llama, the MLA decoder for DeepSeek-V2/V3/V3.2 and GLM-5 (``glm_moe_dsa``), unless
     ``hf`` (``--hf``) or another model type asks for the Hugging Face model itself through :mod:`piecegraph.hf`.
     ``quant="fp8"``: the reference decoder's projections, MLPs and experts in e4m3
-    (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere)."""
+    (:func:`piecegraph.models.quantize_fp8`; FlashInfer's kernels on sm90, torch elsewhere). ``optimize``: the
+    reference decoders' q/k/v and gate/up projections fused into one GEMM each
+    (:func:`piecegraph.models.fuse_projections`, before quantizing), and on CUDA in bf16/fp16 the remaining plain
+    linears run steps of at most 16 rows on a Triton GEMV-shaped kernel where it measured faster than cuBLAS
+    (:func:`piecegraph.models.gemv.use_small_batch_kernels`; ``PIECEGRAPH_SMALL_LINEAR=cublas`` forces cuBLAS).
+    Pass ``optimize=run.solo`` for a model :func:`shard_for_tp` shards: it optimizes after sharding."""
     from piecegraph.models import (
         DEEPSEEK_V3_SHAPE,
         GLM5_SHAPE,
@@ -78,11 +84,13 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, qu
         MLAConfig,
         MLADecoder,
         MoEDecoder,
+        fuse_projections,
         is_mla_folder,
         load_hf,
         load_mla,
         quantize_fp8,
     )
+    from piecegraph.models.gemv import use_small_batch_kernels
 
     if quant not in QUANTS:
         raise typer.BadParameter(f"{quant!r} is not one of {', '.join(QUANTS)}", param_hint="--quant")
@@ -117,7 +125,11 @@ def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, qu
     else:
         raise typer.BadParameter(f"{model!r} is not one of {', '.join(PRESETS)} or a local Hugging Face directory",
                                  param_hint="--model")
-    return quantize_fp8(net) if quant == "fp8" else net
+    if optimize:
+        net = fuse_projections(net)
+    if quant == "fp8":
+        net = quantize_fp8(net)
+    return use_small_batch_kernels(net) if optimize else net
 
 
 def _needs_transformers(path: str) -> bool:
@@ -172,13 +184,24 @@ def start_tp(tp: int, device: str) -> Any:
 
 
 def shard_for_tp(net: torch.nn.Module, run: Any) -> torch.nn.Module:
-    """``net`` sharded over the ``--tp`` group (all-reduce inside the pieces), or ``net`` when ``run`` is solo."""
+    """``net`` sharded over the ``--tp`` group (all-reduce inside the pieces), then optimized as
+    :func:`load_model`'s ``optimize`` does (each shard's projections fused, small-batch kernels), or ``net`` when
+    ``run`` is solo. ``net`` must not be optimized yet (``load_model(..., optimize=run.solo)``)."""
     if run.solo:
         return net
+    from piecegraph.models import fuse_projections
+    from piecegraph.models.decoder import MLP, Attention
+    from piecegraph.models.gemv import SmallBatchLinear, use_small_batch_kernels
     from piecegraph.parallel import apply_tp
     from piecegraph.parallel.launch import GROUP
 
+    if any(isinstance(m, SmallBatchLinear) or (isinstance(m, (Attention, MLP)) and
+                                               (hasattr(m, "qkv_proj") or hasattr(m, "gate_up_proj")))
+           for m in net.modules()):
+        raise ValueError("shard_for_tp shards the unfused q/k/v and gate/up projections: load the model with "
+                         "load_model(..., optimize=run.solo); the shards are optimized here, after sharding")
     try:
-        return apply_tp(net, GROUP)
+        net = apply_tp(net, GROUP)
     except (TypeError, ValueError) as err:
         raise typer.BadParameter(str(err), param_hint="--tp") from None
+    return use_small_batch_kernels(fuse_projections(net))  # each rank's shards: one GEMM each for q/k/v, gate/up

@@ -152,7 +152,7 @@ def bench(
 
     profiled = None
     for q in quants:  # one model at a time: the A2.7B shape is 28.6 GB in bf16
-        net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=q), run)
+        net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=q, optimize=run.solo), run)
         facts = model_facts(net)  # asked once, after sharding: every stage below reads these
         if q == quants[0]:
             _check_backend(facts, backend, net)

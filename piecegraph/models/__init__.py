@@ -3,7 +3,7 @@ beside it a mixture-of-experts decoder (``MoEDecoder``, ``MoEConfig``) on the sa
 both (``quantize_fp8``); an MLA decoder (``MLADecoder``, ``MLAConfig``: DeepSeek-V2/V3, GLM-5 with DSA, their
 experts; ``load_mla`` reads their Hugging Face folders). Each describes itself once as :class:`ModelFacts`
 (``model.facts()``, or :func:`model_facts` for any module): device, dtype, cache shape, the weight bytes a forward
-reads.
+reads. :func:`fuse_projections` merges q/k/v and gate/up into one GEMM each.
 
 Its attention is :mod:`piecegraph.attention`'s split op on the paged KV cache (imported with the decoder).
 """
@@ -12,6 +12,7 @@ from piecegraph.models.config import LLAMA_3_2_1B_SHAPE, LLAMA_7B_SHAPE, QWEN2_5
 from piecegraph.models.decoder import Decoder
 from piecegraph.models.facts import ModelFacts, model_facts
 from piecegraph.models.fp8_moe import quantize_fp8
+from piecegraph.models.fuse import fuse_projections
 from piecegraph.models.generate import dummy_inputs, generate
 from piecegraph.models.loader import load_hf, read_config, save_hf
 from piecegraph.models.mla import MLADecoder
@@ -39,6 +40,7 @@ __all__ = [
     "TINY_MLA",
     "TINY_MOE",
     "dummy_inputs",
+    "fuse_projections",
     "generate",
     "model_facts",
     "quantize_fp8",

@@ -77,9 +77,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x)
+        qkv_proj = getattr(self, "qkv_proj", None)  # fuse_projections: one GEMM, split into views
+        if qkv_proj is not None:
+            q, k, v = torch.split(qkv_proj(x), self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
         q = rotary(q, positions).reshape(tokens, -1)
         k = rotary(k, positions).reshape(tokens, -1)
         # The op writes into a buffer allocated here, so pieces after the split find it at a stable address.
@@ -98,6 +102,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up_proj = getattr(self, "gate_up_proj", None)  # fuse_projections: one GEMM, split into views
+        if gate_up_proj is not None:
+            gate, up = torch.split(gate_up_proj(x), self.gate_up_sizes, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

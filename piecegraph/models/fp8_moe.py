@@ -163,7 +163,21 @@ class FP8Experts(nn.Module):
 
 # Linears quantized: attention projections, dense and shared-expert MLPs. The router (``gate``), the shared
 # expert's gate, embeddings and ``lm_head`` stay in the model's dtype (routing must not flip on FP8 rounding).
-_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+              "gate_up_proj")
+# fuse_projections' fused linears: the parent's attribute holding their parts' sizes (rows)
+_FUSED_SIZES = {"qkv_proj": "qkv_sizes", "gate_up_proj": "gate_up_sizes"}
+
+
+def _fp8_linear(parent: nn.Module, name: str, linear: nn.Linear, kernel: str) -> FP8Linear:
+    """``linear`` in e4m3; a fused one with one scale per part (a ``[out]`` row scale, each part's value on its
+    rows), so its e4m3 weights and scales equal those of the unfused parts quantized one by one."""
+    sizes = getattr(parent, _FUSED_SIZES[name], None) if name in _FUSED_SIZES else None
+    if sizes is None:
+        return FP8Linear.from_linear(linear, kernel)
+    parts = [quantize_tensor(w) for w in linear.weight.split(sizes)]
+    scale = torch.cat([s.expand(n) for (_, s), n in zip(parts, sizes)])
+    return FP8Linear(torch.cat([q for q, _ in parts]), scale, linear.bias, kernel, linear.weight.dtype)
 
 
 def _router_top_k(parent: nn.Module) -> int | None:
@@ -222,5 +236,5 @@ def quantize_fp8(model: nn.Module, kernel: str | None = None, *, expert_kernel: 
                 setattr(parent, name, FP8Experts(child, expert_kernel, gemm, top_k=_router_top_k(parent),
                                                  max_tokens=max_tokens, timer=timer))
             elif isinstance(child, nn.Linear) and name in _QUANTIZED:
-                setattr(parent, name, FP8Linear.from_linear(child, kernel))
+                setattr(parent, name, _fp8_linear(parent, name, child, kernel))
     return model

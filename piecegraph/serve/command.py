@@ -168,7 +168,7 @@ def serve_bench(
     reports = run.reports
     model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    net = shard_for_tp(load_model(model, device, dtype, quant=quant), run)
+    net = shard_for_tp(load_model(model, device, dtype, quant=quant, optimize=run.solo), run)  # fused after sharding
     max_len = min(-(-work.max_len // page_size) * page_size, net.config.max_seq_len)  # whole pages when it can
     if work.max_len > net.config.max_seq_len:
         raise typer.BadParameter(f"requests of up to {work.max_len} tokens exceed the model's max_seq_len "
