@@ -8,7 +8,8 @@
 #   cold and warm starts) | profile (an engine step's host time) | http (piecegraph serve) | tp (two GPUs) |
 #   flashinfer-new (tests and overhead again on each .whl/flashinfer*.tar.xz) | mla (MLA/DSA tests, DSA vs dense MLA
 #   by context) | mla-serve (the GLM-5 shape served) | prefix (a shared-prefix workload with and without the prefix
-#   cache)
+#   cache) | hbm (the 1B shape's decode step at batch 1 and 10 against the HBM floor: cuBLAS only, then the measured
+#   small-batch kernels, each with a kernel timeline)
 # Also: TESTS, BATCHES, PREFILL, JIT_SAVE=1 (keep FlashInfer's built kernels), BUNDLE=NAME.tgz (one archive of OUTDIR).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -16,7 +17,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-"tests overhead bench serve"}
 KNOWN=" tests overhead bench serve hf-bench fp8-block fp8-moe moe startup startup-engine startup-hf profile http tp "
-KNOWN+="flashinfer-new mla mla-serve prefix "
+KNOWN+="flashinfer-new mla mla-serve prefix hbm "
 unknown=$(for part in $PARTS; do [[ "$KNOWN" == *" $part "* ]] || echo -n "$part "; done)
 if [ -n "$unknown" ]; then
   echo "gpu_check.sh: unknown part(s): $unknown(known:$KNOWN)" >&2
@@ -193,6 +194,15 @@ if has prefix; then  # prefix caching: a shared-prefix workload with and without
     --num-prefixes "${PREFIX_COUNT:-4}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --json "$(name prefix_serve)" 2>&1 | tee "$OUT/prefix_serve.log"
   ok "${PIPESTATUS[0]}"
+fi
+if has hbm; then  # batch-1 decode against the memory bound: the same bench with cuBLAS only, then the measured choice
+  for small in ${HBM_KERNELS:-cublas auto}; do
+    PIECEGRAPH_SMALL_LINEAR=$small python3 -m piecegraph.cli bench --model "${HBM_MODEL:-llama-3.2-1b}" --device cuda \
+      --attention flashinfer --modes "${HBM_MODES:-full-static,baked-graph,auto}" --batches "${BATCHES:-1,10}" \
+      --prefill "" --repeats 20 --profile "${HBM_PROFILE:-full-static:1}" \
+      --json "$(name "bench_batch1_${HBM_MODEL:-llama-3.2-1b}_$small")" 2>&1 | tee -a "$OUT/hbm_bench.log"
+    ok "${PIPESTATUS[0]}"
+  done
 fi
 if has startup; then  # the start-up test: first, cold and warm starts in fresh processes, graph memory estimate
   python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/startup_gpu.log"

@@ -177,6 +177,10 @@ def bench(
             profiled = _run_profile(net, facts, spec, context, backend, reports)
         del net, result
         _free_device(device)
+    from piecegraph.models.gemv import choice_table
+
+    if choice_table():  # which small-batch linears took the Triton kernel, with both kernels' measured times
+        extra["small_linear_choices"] = choice_table()
     if reports:
         _report(env_of(done), done, model, op_us, profiled, json_path, plot_path, accuracy, extra)
     run.finish()
