@@ -109,10 +109,26 @@ class Engine:
         self.emitted: tuple[list[Request], list[int]] = ([], [])
         self.device = self.cache.device
         try:
-            _, self.setup_s = timed_capture(lambda: self.executor.capture(self.cache, progress))
+            _, self.setup_s = timed_capture(lambda: (self.executor.capture(self.cache, progress),
+                                                     self._warm_small_batch_logits()))
         except torch.OutOfMemoryError as err:
             raise torch.OutOfMemoryError(f"{err}\n\npiecegraph: graph capture ran out of device memory after the "
                                          f"KV cache took {self._cache_room(built=cache is None)}") from err
+
+    @torch.no_grad()
+    def _warm_small_batch_logits(self) -> None:
+        """The LM head at each row bucket a small-batch linear measures (1, 2, 4, 8, 16 rows, up to
+        ``max_num_seqs``) once now: its kernel choice is measured at start, not in the first requests' steps
+        (``piecegraph.models.gemv``; a model without small-batch linears skips this)."""
+        from piecegraph.models.gemv import MAX_ROWS, SmallBatchLinear
+
+        if not any(isinstance(m, SmallBatchLinear) for m in self.model.modules()):
+            return
+        hidden = self.facts.config.hidden_size
+        rows = 1
+        while rows <= min(MAX_ROWS, self.config.max_num_seqs):
+            self.model.logits(torch.zeros(rows, hidden, dtype=self.facts.dtype, device=self.device))
+            rows *= 2
 
     def _cache_room(self, built: bool) -> str:
         """What the KV cache holds and what sized it (``built``: the engine did, from its config; else the caller's

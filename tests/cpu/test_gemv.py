@@ -226,3 +226,24 @@ def test_the_triton_launcher_refuses_what_it_cannot_run():
         gemv.triton_linear(x[:2], w, torch.randn(5))
     with pytest.raises(ValueError, match="contiguous"):
         gemv.triton_linear(x[:2], torch.randn(8, 4).T)
+
+
+def test_an_engine_on_small_batch_linears_warms_its_lm_head_per_row_bucket_and_serves_the_same_tokens(monkeypatch):
+    """The engine calls the LM head once per row bucket at start (1, 2, 4 rows for max_num_seqs 4: where the
+    kernel choice is measured on CUDA), and a decoder on small-batch linears serves the tokens of the plain one."""
+    from piecegraph.models import TINY, Decoder, fuse_projections
+    from piecegraph.serve.config import EngineConfig
+    from piecegraph.serve.engine import Engine
+    from piecegraph.serve.request import SamplingParams
+
+    config = EngineConfig(mode="eager", max_num_seqs=4, max_seq_len=64, attention_backend="torch")
+    prompts, params = [[3, 5, 7, 9], [11, 2], [4] * 9], SamplingParams(max_new_tokens=6)
+    plain = Engine(fuse_projections(Decoder.random(TINY, seed=3)), config).generate(prompts, params)
+    model = gemv.use_small_batch_kernels(fuse_projections(Decoder.random(TINY, seed=3)), require_cuda_half=False)
+    assert isinstance(model.lm_head, gemv.SmallBatchLinear)
+    rows = []
+    original = model.logits
+    monkeypatch.setattr(model, "logits", lambda hidden: (rows.append(hidden.shape[0]), original(hidden))[1])
+    engine = Engine(model, config)
+    assert rows == [1, 2, 4]
+    assert engine.generate(prompts, params) == plain
