@@ -124,8 +124,8 @@ if has serve; then  # continuous batching, every engine mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
     --modes "${SERVE_MODES:-eager,breakable,piecewise,auto,auto-sync}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
-    --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens 2048 --warmup 2 \
-    --repeats "${SERVE_REPEATS:-1}" \
+    --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens "${SERVE_BUDGET:-2048}" --warmup 2 \
+    --repeats "${SERVE_REPEATS:-1}" ${SERVE_ARGS:-} \
     --json "$(name serve_bench)" --plot "$OUT/${PREFIX}_serve_bench.png" 2>&1 | tee "$OUT/serve_bench.log"
   ok "${PIPESTATUS[0]}"
 fi
