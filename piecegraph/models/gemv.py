@@ -181,7 +181,7 @@ class Choice:
     kernel: str
     cublas_us: float
     triton_us: float
-    error: str = ""  # why Triton was not timed (out of memory, a build failure): then cuBLAS, times NaN
+    error: str = ""  # why Triton was not chosen: not timed (out of memory, a build failure: times NaN), or wrong
 
 
 # The measured-choice table, the module's one cache: key -> Choice, filled once per key by _measure (the op never
@@ -242,9 +242,20 @@ def _measure(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         cublas = _graph_us([functools.partial(F.linear, rows, w, bias) for w in picks])
         triton_us = _graph_us([functools.partial(triton_linear, rows, w, bias) for w in picks])
         del weights, picks
-    kernel = "triton" if triton_us < cublas * (1 - MARGIN) else "cublas"
-    choice = Choice(*key, kernel=kernel, cublas_us=round(cublas, 3), triton_us=round(triton_us, 3))
+        mismatch = _mismatch(rows, weight, bias)
+    kernel = "triton" if triton_us < cublas * (1 - MARGIN) and not mismatch else "cublas"
+    choice = Choice(*key, kernel=kernel, cublas_us=round(cublas, 3), triton_us=round(triton_us, 3), error=mismatch)
     return _CHOICES.setdefault(key, choice)
+
+
+def _mismatch(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
+    """Why the Triton kernel's product of the timing rows is wrong, or ``""``: against the float32 product of the
+    same values, within ``2**-7`` (bf16; ``2**-10`` fp16) of its largest magnitude plus one, twice the output's
+    rounding. A kernel that disagrees is never chosen, whatever its speed."""
+    reference = F.linear(rows.float(), weight.float(), None if bias is None else bias.float())
+    bound = (2 ** -7 if rows.dtype == torch.bfloat16 else 2 ** -10) * (reference.abs().max().item() + 1)
+    error = (triton_linear(rows, weight, bias).float() - reference).abs().max().item()
+    return "" if error <= bound else f"Triton's product is off by {error:.3g} (bound {bound:.3g}): cuBLAS kept"
 
 
 def _requested(kernel: str) -> str:

@@ -247,3 +247,23 @@ def test_an_engine_on_small_batch_linears_warms_its_lm_head_per_row_bucket_and_s
     engine = Engine(model, config)
     assert rows == [1, 2, 4]
     assert engine.generate(prompts, params) == plain
+
+
+def test_a_triton_product_off_by_more_than_rounding_is_reported_so_it_is_never_chosen(monkeypatch):
+    """The measurement's correctness check: the kernel's product within bf16 rounding of the float32 one passes;
+    one that drops a K block (what a wrong mask would do) is named, so the measured choice keeps cuBLAS."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+
+    def rounded(x, w, b=None):  # the right product, rounded to the kernel's output dtype
+        return F.linear(x.float(), w.float(), b.float()).to(x.dtype)
+
+    def dropped_block(x, w, b=None):
+        return F.linear(x[:, :64].float(), w[:, :64].float(), b.float()).to(x.dtype)
+
+    monkeypatch.setattr(gemv, "triton_linear", rounded)
+    assert gemv._mismatch(rows, weight, bias) == ""
+    monkeypatch.setattr(gemv, "triton_linear", dropped_block)
+    assert "cuBLAS kept" in gemv._mismatch(rows, weight, bias)
