@@ -310,18 +310,20 @@ def pick_kernel(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 # ---------------------------------------------------------------------------------------------------------- op
 def _small_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       kernel: str = "auto") -> torch.Tensor:
-    if pick_kernel(x, weight, bias, kernel) == "triton":
+                       use: str = "auto") -> torch.Tensor:
+    if pick_kernel(x, weight, bias, use) == "triton":
         return triton_linear(x.contiguous(), weight, bias)  # rows picked from a longer tensor: a <= 16-row copy
     return F.linear(x, weight, bias)
 
 
 def _small_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       kernel: str = "auto") -> torch.Tensor:
+                       use: str = "auto") -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-LIBRARY.define("small_linear(Tensor x, Tensor weight, Tensor? bias=None, str kernel='auto') -> Tensor")
+# "use", not "kernel": Inductor lowers the op as FallbackKernel.create(kernel, *args, **kwargs), and an argument
+# named kernel collides with it (a LoweringException at the first compile).
+LIBRARY.define("small_linear(Tensor x, Tensor weight, Tensor? bias=None, str use='auto') -> Tensor")
 for _key_name in ("CPU", "CUDA"):
     LIBRARY.impl("small_linear", _small_linear_impl, _key_name)
 torch.library.register_fake("piecegraph_models::small_linear", _small_linear_fake, lib=LIBRARY)

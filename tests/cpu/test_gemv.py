@@ -78,10 +78,11 @@ def test_the_op_traces_as_one_node_with_a_dynamic_row_count():
     torch._dynamo.reset()
 
 
-def test_a_model_with_small_batch_linears_compiles_whole_through_aot_autograd():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # inductor: the op's lowering (an extern kernel)
+def test_a_model_with_small_batch_linears_compiles_whole(backend):
     torch.manual_seed(0)
     model = gemv.use_small_batch_kernels(Tiny(), require_cuda_half=False)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
     with torch.no_grad():
         for length in (3, 5):
             ids = torch.randint(0, 50, (2, length))
