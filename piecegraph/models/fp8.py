@@ -65,9 +65,10 @@ def _flashinfer():
 
 
 class FP8Linear(nn.Module):
-    """``y = x @ dequant(weight)^T + bias`` with ``x`` quantized per row: ``weight [out, in]`` e4m3 and its 0-d
-    float32 ``weight_scale`` are buffers; output in ``out_dtype`` (the replaced layer's dtype). ``x [..., in]``
-    any leading shape. Built by :meth:`from_linear`; the float weights are not kept."""
+    """``y = x @ dequant(weight)^T + bias`` with ``x`` quantized per row: ``weight [out, in]`` e4m3 and its
+    float32 ``weight_scale`` (0-d: one per tensor; ``[out]``: one per row, as a fused q/k/v or gate/up linear keeps
+    each part's own scale on its rows) are buffers; output in ``out_dtype`` (the replaced layer's dtype).
+    ``x [..., in]`` any leading shape. Built by :meth:`from_linear`; the float weights are not kept."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, kernel: str,
                  out_dtype: torch.dtype) -> None:
@@ -103,4 +104,5 @@ class FP8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, e4m3 per-tensor weight"
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, e4m3 weight, " + (
+            "per-tensor scale" if self.weight_scale.dim() == 0 else "per-row scale")
