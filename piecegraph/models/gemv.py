@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piecegraph.attention.op import LIBRARY
+from piecegraph.graphs.capture import graph_ms
 
 MAX_ROWS = 16  # the kernel's row tile: at most this many rows take the measured choice
 KERNELS = ("auto", "cublas", "triton")
@@ -204,28 +204,9 @@ def _key(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) ->
 
 
 def _graph_us(calls: list[Callable[[], Any]]) -> float:
-    """Median microseconds per call of a CUDA graph running ``calls`` back to back (warmed on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls[:2]:  # Triton's compile and autotuning, cuBLAS's workspace: before capture
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
+    """Median microseconds per call of ``calls`` run back to back as one CUDA graph (:func:`graph_ms`; its warm run
+    builds and autotunes Triton's kernel and sets up cuBLAS's workspace before the capture)."""
+    return graph_ms(lambda: [call() for call in calls], (), repeats=REPLAYS) * 1e3 / len(calls)
 
 
 def _measure(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
