@@ -73,15 +73,41 @@ def check_token_dim(values: dict[str, Any], token_dim: int, static_inputs: tuple
     )
 
 
+# A buffer this large is a weight (FP8 weights and their scales are buffers): a copy of every one would double the
+# model on the device, so the large ones are watched through their version counters instead of copied.
+COPY_LIMIT_BYTES = 16 << 20
+
+
 @contextlib.contextmanager
 def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
     """Inside the block the model may run any number of times; afterwards every buffer holds (and every buffer
-    slot points at) what it held before: a counter or BatchNorm's statistics count the caller's calls only."""
-    saved = [(m, name, buf, buf.clone()) for m in model.modules() for name, buf in m._buffers.items()
-             if buf is not None]
+    slot points at) what it held before: a counter or BatchNorm's statistics count the caller's calls only.
+
+    Buffers under :data:`COPY_LIMIT_BYTES` are copied on their device and restored. Larger ones (weights) are not
+    copied: one written in place inside the block raises ``RuntimeError`` naming it, since its old value is gone;
+    an inference tensor, which keeps no version counter, is copied to host memory instead."""
+    saved, watched = [], []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            large = buf.numel() * buf.element_size() >= COPY_LIMIT_BYTES
+            if large and not buf.is_inference():
+                watched.append((module, name, buf, buf._version))
+            else:
+                saved.append((module, name, buf, buf.to("cpu", copy=True) if large else buf.clone()))
     try:
         yield
     finally:
         for module, name, buf, value in saved:
             module._buffers[name] = buf  # a forward that re-assigned the buffer gets the original back
             buf.copy_(value)
+        changed = [name for module, name, buf, version in watched if buf._version != version]
+        for module, name, buf, _ in watched:
+            module._buffers[name] = buf
+        if changed:
+            raise RuntimeError(
+                f"the model wrote its large buffer(s) {', '.join(changed)} in place during piecegraph's own runs "
+                f"(trace, warm-up, capture); buffers of {COPY_LIMIT_BYTES >> 20} MiB or more are taken for weights "
+                f"and are not copied, so their values before those runs are lost. Keep state the forward updates "
+                f"in smaller buffers, or update it outside the compiled forward")

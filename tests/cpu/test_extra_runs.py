@@ -104,3 +104,47 @@ def test_prewarm_does_not_write_the_callers_tensors():
     x = torch.ones(3, 8)
     graphed(x)
     torch.testing.assert_close(x, torch.full((3, 8), 2.0))  # once by the call itself, never by the prewarm
+
+
+class WeightBuffer(torch.nn.Module):
+    """A weight kept as a buffer (as FP8 weights are), beside a small counter; ``scribble`` writes the weight."""
+
+    def __init__(self, scribble: bool = False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.register_buffer("weight", torch.randn(8, 8))
+        self.register_buffer("calls", torch.zeros(()))
+        self.scribble = scribble
+
+    def forward(self, x):
+        self.calls.add_(1)
+        if self.scribble:
+            self.weight.mul_(1.0)
+        return x @ self.weight.t()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "breakable"])
+def test_weight_buffers_are_watched_not_copied(mode, monkeypatch):
+    """Over the copy limit a buffer is not cloned (that would double an FP8 model on the device); the small
+    counter beside it still counts the caller's calls, and answers match eager."""
+    from piecegraph.program import arguments
+
+    monkeypatch.setattr(arguments, "COPY_LIMIT_BYTES", 64)  # the 8x8 weight is over it, the counter under
+    model = WeightBuffer().eval()
+    clones = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(t.numel()) or real_clone(t, *a, **k))
+    graphed = _compile(model, mode)
+    reference = _run_both(model, graphed, (3, 4, 9))
+    assert 64 not in clones  # the weight was never copied
+    assert model.calls.item() == 3 == reference.calls.item()
+
+
+def test_a_weight_buffer_written_in_place_is_an_error(monkeypatch):
+    """Its value before piecegraph's own runs is gone, so the caller hears it rather than getting a changed model."""
+    from piecegraph.program import arguments
+
+    monkeypatch.setattr(arguments, "COPY_LIMIT_BYTES", 64)
+    graphed = _compile(WeightBuffer(scribble=True).eval(), "piecewise")
+    with pytest.raises(RuntimeError, match="large buffer.*weight.*in place"):
+        graphed(torch.randn(3, 8))
