@@ -185,7 +185,7 @@ if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context
 fi
 if has mla-serve; then  # the GLM-5 shape served, every mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model glm5-shape --device cuda --concurrency "${SERVE_CONC:-1,10,256,1024}" \
-    --input-len 512 --output-len 128 ${MLA_SERVE_ARGS:-} --json "$(name glm5_shape_serve)" 2>&1 \
+    --input-len 512 --output-len 128 ${MLA_SERVE_ARGS:---interleave} --json "$(name glm5_shape_serve)" 2>&1 \
     | tee "$OUT/mla_serve.log"
   ok "${PIPESTATUS[0]}"
 fi

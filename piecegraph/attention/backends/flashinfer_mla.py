@@ -74,8 +74,8 @@ class FlashInferMLABackend(FlashInferBackend):
     """FlashInfer MLA for dense layers, the torch path for DSA layers; see the module docstring."""
 
     name = "flashinfer"
-    kernel = ("FlashInfer BatchMLAPagedAttentionWrapper; DSA layers past index_topk keys and in full graphs: "
-              "torch gather path")
+    kernel = ("FlashInfer BatchMLAPagedAttentionWrapper; DSA layers past index_topk keys, and in full graphs of a "
+              "cache whose max_seq_len exceeds index_topk: torch gather path")
 
     def __init__(self, config: CacheShape, device: torch.device | str) -> None:  # the base's wrappers: not made
         import flashinfer
