@@ -145,15 +145,22 @@ def test_full_graph_decode_pads_onto_the_scratch_page_and_equals_torch():
         assert _rel(b[1:], a[1:]) < 1e-6
 
 
-def test_greedy_generation_with_flashinfer_graphs_equals_torch_eager():
-    model = Decoder.random(CFG, seed=4)
+@pytest.mark.parametrize("heads, kv_heads, tensor_cores", [(6, 2, False), (8, 2, False), (14, 2, True)])
+def test_greedy_generation_with_flashinfer_graphs_equals_torch_eager(heads, kv_heads, tensor_cores):
+    """Groups of up to 4 query heads per KV head decode on the plain kernel, larger ones on tensor cores (the
+    fake refuses a group the plain kernel lacks, as FlashInfer does), eagerly and in full graphs alike."""
+    config = CFG.replace(num_heads=heads, num_kv_heads=kv_heads)
+    model = Decoder.random(config, seed=4)
     prompts = [[5, 6, 7, 8, 9], [1, 2], [40, 41, 42]]
-    torch_cache, fi_cache = _caches(seed=5)
+    torch_cache, fi_cache = _caches(seed=5, config=config)
     expected = generate(model, prompts, 10, cache=torch_cache)
     prefill = piecegraph.compile(model, mode="piecewise", compiler="eager", max_tokens=16, emulate_graphs=True)
     decode = piecegraph.compile(model, mode="full", compiler="eager", capture_sizes=(4,), emulate_graphs=True)
     assert generate(model, prompts, 10, cache=fi_cache, prefill_fn=prefill, decode_fn=decode) == expected
     assert decode.stats()["replays"] == 8
+    backend = fi_cache.backend
+    wrappers = [backend._decode.wrapper] + [g.plan.slot.wrapper for g in backend._graphs.values()]
+    assert len(wrappers) == 2 and all(w._use_tensor_cores == tensor_cores for w in wrappers)
 
 
 def test_a_stale_plan_is_replanned_not_reused():

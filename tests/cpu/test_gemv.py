@@ -5,13 +5,13 @@ product where Triton imports and runs (CUDA, or ``TRITON_INTERPRET=1`` on CPU te
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triton_device import kernel_device
 
 from piecegraph.models import gemv
 
@@ -156,19 +156,6 @@ def test_every_row_bucket_keeps_configs_whose_tiles_share_one_layout():
                 assert c.kwargs["BLOCK_N"] >= 16 and c.kwargs["BLOCK_K"] >= 16
 
 
-def _kernel_device() -> str:
-    triton = pytest.importorskip("triton")  # noqa: F841  (CI has none: skipped there)
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
-    import numpy
-
-    if tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip("Triton's interpreter loops fail on numpy >= 2.4 (int() of a 1-element array)")
-    return "cpu"
-
-
 def _check_kernel(rows, dtype, device, config, n=37, k=83):
     """The kernel against a float64 product at ``n``, ``k`` not multiples of any block, with and without bias."""
     if device == "cpu" and dtype == torch.bfloat16 and rows == 16 and (config is None or config[0] >= 16):
@@ -194,7 +181,7 @@ SMALL_CONFIGS = [(4, 32, 4, 1), (16, 32, 4, 1), (8, 64, 4, 2)]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_the_triton_kernel_equals_a_float64_product(rows, dtype):
-    device = _kernel_device()
+    device = kernel_device()
     for config in SMALL_CONFIGS:
         _check_kernel(rows, dtype, device, config)
     configs = [SimpleNamespace(kwargs={"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w, _ in gemv.CONFIGS]
@@ -205,7 +192,7 @@ def test_the_triton_kernel_equals_a_float64_product(rows, dtype):
 
 
 def test_the_autotuned_launch_equals_a_float64_product(monkeypatch):
-    device = _kernel_device()
+    device = kernel_device()
     if device == "cpu":  # the interpreter cannot time: a stand-in timer that runs each config (the first wins)
         timings = []
 

@@ -8,24 +8,27 @@ ints whatever its context; ``plan()``'s host arguments (indptr, last page length
 since ``plan()`` copies them to the device and a copy from pageable memory waits for the stream, and the lengths it
 takes a ``max()`` of as :class:`~piecegraph.attention.backends.flashinfer_layout.HostInts` (``flashinfer_layout.py``
 says why). A pure decode step plans a
-``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores); anything else (prefill, mixed, chunked-prefill
+``BatchDecodeWithPagedKVCacheWrapper`` (on tensor cores for more than 4 query heads per KV head, the plain decode
+kernel otherwise: ``FlashInferBackend.decode_tensor_cores``); anything else (prefill, mixed, chunked-prefill
 continuation) a causal ``BatchPrefillWithPagedKVCacheWrapper`` (FlashInfer aligns the causal mask bottom-right,
 which is where a step's new tokens sit). ``forward`` writes the new keys and values with one ``index_copy_``
-each at the step's flat slots (``meta.slot_mapping``: the page and offset ``append_paged_kv_cache`` would derive
-from the CSR layout; ~5 us of host per copy against its wrapper's ~26 us, in every layer of an eager step), then
-``wrapper.run``.
+each (in a full CUDA graph: one kernel for both, ``kv_write.py``) at the step's flat slots
+(``meta.slot_mapping``: the page and offset ``append_paged_kv_cache`` would derive from the CSR layout; ~5 us of
+host per copy against its wrapper's ~26 us, in every layer of an eager step), then ``wrapper.run``.
 ``for_cuda_graph`` pads a decode step to ``size`` rows on a per-size CUDA-graph decode wrapper.
 
 Measured in this project (FlashInfer 0.5.3, H200, 14 q / 2 kv heads, head_dim 64): ragged prefill ``run()``
-18-23 us of CPU; paged decode needs ``use_tensor_cores=True`` (the plain decode kernel refuses group size 7) and
-its ``run()`` costs 20-25 us of CPU; ``plan()`` 65-690 us per step; the first JIT build 17-51 s.
+18-23 us of CPU; paged decode of 7 query heads per KV head needs ``use_tensor_cores=True`` (the plain decode
+kernel refuses group size 7) and its ``run()`` costs 20-25 us of CPU; ``plan()`` 65-690 us per step; the first
+JIT build 17-51 s.
 
 Verified in the 0.5.3 source (decode.py, prefill.py, page.py, csrc/batch_prefill.cu, attention/scheduler.cuh):
 
 - The tensor-core decode wrapper plans and runs the ``fa2`` batch-prefill module (``get_batch_prefill_module``,
   ``functools.cache``d); the prefill wrapper is pinned to ``backend="fa2"`` (``auto`` picks fa3 on sm90) so
-  both share one JIT build and the prefill wrapper skips fa3's 64 MiB vector-sparse buffers.
-- With ``use_cuda_graph=True`` and tensor cores, ``plan()`` copies indptr / last_page_len / indices into the
+  both share one JIT build and the prefill wrapper skips fa3's 64 MiB vector-sparse buffers. The plain decode
+  wrapper runs a JIT module of its own (``get_batch_decode_module``): one more build for such models.
+- With ``use_cuda_graph=True``, on either kernel, ``plan()`` copies indptr / last_page_len / indices into the
   buffers given to the constructor, ``qo_indptr`` is an ``arange`` made once in ``__init__``, and the int
   workspace is allocated once in ``__init__``. ``run()`` reads exactly: both workspaces, those four buffers,
   q, the caches, out, the host ``plan_info`` and host scalars (scale, window, heads; ``max_kv_len`` only on
@@ -37,6 +40,8 @@ Verified in the 0.5.3 source (decode.py, prefill.py, page.py, csrc/batch_prefill
   pointers. :meth:`FlashInferBackend._plan_graph` still checks that ``plan_info`` never changes for a size.
   The split-KV partial outputs take ``heads x padded_batch_size x cta_tile_q x (head_dim + 1)`` floats of the
   float workspace: a size that needs more than it holds gets a larger one (:func:`graph_workspace_bytes`).
+  The plain decode kernel's graph plan also fixes its grid per size (``plan_info`` checked alike); on an H100 at
+  1 and 10 rows (32 / 8 heads of 64) its split-KV buffers took 1.2 MB of the float workspace.
 - ``append_paged_kv_cache(k, v, batch_indices, positions, (k_cache, v_cache), kv_indices, kv_indptr,
   kv_last_page_len, kv_layout)`` writes token i at page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot
   ``pos % page_size`` (``b, pos = batch_indices[i], positions[i]``): the slot ``slot_mapping`` already holds
@@ -68,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from piecegraph.attention.backends.flashinfer_layout import page_layout
+from piecegraph.attention.backends.kv_write import write_kv
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
 from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache, v_head_dim
@@ -146,10 +152,15 @@ class FlashInferBackend:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._cuda = self.workspace.is_cuda  # False only under a CPU stand-in for flashinfer (tests)
         self._prefill = _Slot(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
+        # Decode on tensor cores only for query groups of more than 4 heads per KV head (vLLM's and SGLang's rule
+        # too): the plain decode kernel takes groups of 1-4 (and 8, but not 7) and, measured on an H100 at 1 and
+        # 10 rows (32 / 8 heads of 64, context 256, CUDA graphs), ran 16 layers in 123 / 169 us against the
+        # tensor-core kernel's 153 / 193 us, which splits every row's keys and merges the parts.
+        self.decode_tensor_cores = config.num_heads // config.num_kv_heads > 4
         self._decode = (_Slot(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
                         if self._split_dims else
-                        _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                            use_tensor_cores=True)))
+                        _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)))
         self._graphs: dict[int, _Graph] = {}
         self.replans = 0
         self.plans, self.plan_s = 0, 0.0  # wrapper plan() calls and their host seconds (the engine reports both)
@@ -281,7 +292,8 @@ class FlashInferBackend:
             )
         else:
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._graph_workspace(cache, size), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self._graph_workspace(cache, size), "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
             )
         graph = self._graphs[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True))
@@ -334,8 +346,12 @@ class FlashInferBackend:
             self._replan(plan)
         kc, vc = cache.k[layer], cache.v[layer]
         heads_kv, dim = cache.num_kv_heads, cache.head_dim
-        kc.view(-1, heads_kv, dim).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, heads_kv, vc.shape[-1]).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        k_slots, v_slots = kc.view(-1, heads_kv, dim), vc.view(-1, heads_kv, vc.shape[-1])
+        if plan.graph:  # captured, so the kernel's launch costs no host time: one launch for both (kv_write.py)
+            write_kv(k, v, k_slots, v_slots, meta.slot_mapping)
+        else:
+            k_slots.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+            v_slots.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         plan.slot.wrapper.run(q.contiguous(), (kc, vc), out=target)
         if target is not out:
