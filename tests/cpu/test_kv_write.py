@@ -80,3 +80,23 @@ def test_rows_the_kernel_cannot_read_take_the_fallback():
     want = _reference(k, v, caches, slots)
     kv_write.write_kv(k, v, *caches, slots)
     assert all(torch.equal(a, b) for a, b in zip(caches, want))
+
+
+def test_a_capture_never_compiles_the_kernel(monkeypatch):
+    """Under a capture, a signature not run eagerly before takes index_copy_; once run eagerly, the kernel."""
+    calls = []
+    real = kv_write.write_kv
+    monkeypatch.setattr(kv_write, "write_kv", lambda *a, fused=True: calls.append(fused) or real(*a, fused=fused))
+    capturing = [True]
+    monkeypatch.setattr(kv_write, "_capturing", lambda t: capturing[0])
+    writer = kv_write.KVWriter()
+    k, v, caches, slots = _case(3, 2, 8, 8, torch.float32, "cpu", seed=1)
+    want = _reference(k, v, caches, slots)
+    writer(k, v, *caches, slots)  # captured, never seen: the fallback
+    capturing[0] = False
+    writer(k, v, *caches, slots)  # eager: the kernel where it runs (its signature now seen)
+    capturing[0] = True
+    writer(k, v, *caches, slots)  # captured, seen: the kernel
+    writer(k.to(torch.float64), v.to(torch.float64), *caches, slots)  # another dtype, unseen: the fallback
+    assert calls == [False, True, True, False]
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))

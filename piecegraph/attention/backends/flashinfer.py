@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from piecegraph.attention.backends.flashinfer_layout import page_layout
-from piecegraph.attention.backends.kv_write import write_kv
+from piecegraph.attention.backends.kv_write import KVWriter
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
 from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache, v_head_dim
@@ -162,6 +162,7 @@ class FlashInferBackend:
                         _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)))
         self._graphs: dict[int, _Graph] = {}
+        self._write_kv = KVWriter()
         self.replans = 0
         self.plans, self.plan_s = 0, 0.0  # wrapper plan() calls and their host seconds (the engine reports both)
         try:  # private helper, so best effort: without it the first run() must not be a capture
@@ -348,7 +349,7 @@ class FlashInferBackend:
         heads_kv, dim = cache.num_kv_heads, cache.head_dim
         k_slots, v_slots = kc.view(-1, heads_kv, dim), vc.view(-1, heads_kv, vc.shape[-1])
         if plan.graph:  # captured, so the kernel's launch costs no host time: one launch for both (kv_write.py)
-            write_kv(k, v, k_slots, v_slots, meta.slot_mapping)
+            self._write_kv(k, v, k_slots, v_slots, meta.slot_mapping)
         else:
             k_slots.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
             v_slots.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))

@@ -59,19 +59,44 @@ def fused_write_runs(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, fused: bool = True) -> None:
     """``k [N, Hkv, D]`` and ``v [N, Hkv, Dv]`` into ``k_cache [S, Hkv, D]`` and ``v_cache [S, Hkv, Dv]`` (a paged
     cache viewed by flat slot) at rows ``slots [N]``, cast to each cache's dtype; the caches are written in place,
     ``k`` and ``v`` only read. Slots must be in range (neither path checks them on the device); rows sharing a
-    slot (graph pad rows, all on the scratch page) leave one of them there, as ``index_copy_`` does. The first call per
-    dtype compiles the kernel, so make it outside a CUDA-graph capture (a warm-up step does)."""
-    if fused_write_runs(k, v, k_cache, v_cache):
+    slot (graph pad rows, all on the scratch page) leave one of them there, as ``index_copy_`` does.
+    ``fused=False`` forces the two ``index_copy_``. The kernel compiles at its first call per signature: during
+    a CUDA-graph capture use :class:`KVWriter`, which never compiles there."""
+    if fused and fused_write_runs(k, v, k_cache, v_cache):
         k_width, v_width = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
         _kernel()[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), K_WIDTH=k_width,
                                  V_WIDTH=v_width, BLOCK_K=_pow2(k_width), BLOCK_V=_pow2(v_width))
         return
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+class KVWriter:
+    """:func:`write_kv` that takes the kernel during a CUDA-graph capture only for a call signature it has run
+    eagerly before (warm-up runs do): Triton compiles a kernel per dtypes, widths and the 16-byte alignment of
+    its pointers and strides, and a compile must never happen inside a capture. Unseen there: ``index_copy_``."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple] = set()
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        tensors = (k, v, k_cache, v_cache, slots)
+        signature = (tuple(t.dtype for t in tensors), k.shape[1:], v.shape[1:],
+                     tuple(t.data_ptr() % 16 == 0 for t in tensors), k.stride(0) % 16 == 0, v.stride(0) % 16 == 0)
+        if _capturing(k) and signature not in self.seen:
+            write_kv(*tensors, fused=False)
+            return
+        write_kv(*tensors)
+        self.seen.add(signature)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _pow2(n: int) -> int:
