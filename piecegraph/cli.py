@@ -12,7 +12,7 @@ from rich.table import Table
 
 from piecegraph.bench.command import bench
 from piecegraph.cache.command import cache_app
-from piecegraph.cli_common import MODEL_HELP, load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import MODEL_HELP, default_model, load_model, resolve_attention, resolve_device
 from piecegraph.diagnose.command import doctor
 from piecegraph.serve.command import serve_bench
 from piecegraph.server.command import serve
@@ -39,7 +39,7 @@ def demo(
 
     device = resolve_device(device)
     backend = resolve_attention(attention, device)
-    model = hf or (model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny"))
+    model = hf or default_model(model, device)
     # FlashInfer attends in bf16/fp16 only; the torch backend runs float32, where graphed tokens must be exact.
     dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
     net = load_model(model, device, dtype, hf=hf is not None)

@@ -52,10 +52,28 @@ def resolve_attention(attention: str, device: str) -> str:
     return attention
 
 
+def resolve_run_options(device: str, attention: str, outputs: dict[str, Path | None]) -> tuple[str, str]:
+    """``(device, attention backend)``: ``--device`` resolved (:func:`resolve_device`), then every output file of
+    ``outputs`` (option -> path, ``None`` for not asked) checked writable, then ``--attention`` resolved on that
+    device (:func:`resolve_attention`); each refusal is a usage error naming its option, raised before any work."""
+    device = resolve_device(device)
+    for flag, path in outputs.items():
+        check_writable(path, flag)
+    return device, resolve_attention(attention, device)
+
+
 PRESETS = ("tiny", "qwen2.5-0.5b", "llama-3.2-1b", "llama-7b-shape", "tiny-moe", "qwen1.5-moe-a2.7b", "tiny-mla",
            "deepseek-v3-shape", "glm5-shape", "glm5-shape-dense")
 QUANTS = ("bf16", "fp8")
 MODEL_HELP = " | ".join(PRESETS) + " | PATH (auto: tiny on CPU, 0.5B shape on GPU)"  # --model of every command
+
+
+def default_model(model: str, device: str) -> str:
+    """``--model`` as given, or for ``auto`` the preset :data:`MODEL_HELP` names: the 0.5B shape on CUDA, tiny
+    elsewhere."""
+    if model != "auto":
+        return model
+    return "qwen2.5-0.5b" if device == "cuda" else "tiny"
 
 
 def load_model(model: str, device: str, dtype: torch.dtype, hf: bool = False, quant: str = "bf16",

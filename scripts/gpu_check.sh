@@ -9,7 +9,7 @@
 #   flashinfer-new (tests and overhead again on each .whl/flashinfer*.tar.xz) | mla (MLA/DSA tests, DSA vs dense MLA
 #   by context) | mla-serve (the GLM-5 shape served) | prefix (a shared-prefix workload with and without the prefix
 #   cache) | hbm (the 1B shape's decode step at batch 1 and 10 against the HBM floor: cuBLAS only, then the measured
-#   small-batch kernels, each with a kernel timeline)
+#   small-batch kernels, each with a kernel timeline; then scripts/decode_attention_probe.py)
 # Also: TESTS, BATCHES, PREFILL, JIT_SAVE=1 (keep FlashInfer's built kernels), BUNDLE=NAME.tgz (one archive of OUTDIR).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -203,6 +203,9 @@ if has hbm; then  # batch-1 decode against the memory bound: the same bench with
       --json "$(name "bench_batch1_${HBM_MODEL:-llama-3.2-1b}_$small")" 2>&1 | tee -a "$OUT/hbm_bench.log"
     ok "${PIPESTATUS[0]}"
   done
+  # the 1B shape's decode attention kernels and KV writes alone, in CUDA graphs
+  python3 scripts/decode_attention_probe.py "$OUT" 2>&1 | tee -a "$OUT/hbm_bench.log"
+  ok "${PIPESTATUS[0]}"
 fi
 if has startup; then  # the start-up test: first, cold and warm starts in fresh processes, graph memory estimate
   python3 -m pytest tests/gpu/test_startup_gpu.py -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/startup_gpu.log"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,11 +13,10 @@ from rich.table import Table
 
 from piecegraph.cli_common import (
     MODEL_HELP,
-    check_writable,
+    default_model,
     int_list,
     load_model,
-    resolve_attention,
-    resolve_device,
+    resolve_run_options,
     shard_for_tp,
     start_tp,
 )
@@ -107,83 +107,145 @@ def bench(
                            "for you), rank 0 reports; the JSON records the world size"),
 ) -> None:
     """Time every capture mode side by side on decode steps and packed prefills (CUDA-event medians)."""
-    from piecegraph.bench.accuracy import accuracy_row, teacher_forced_logits
-    from piecegraph.bench.harness import environment
-    from piecegraph.bench.profile import attention_op_us
-    from piecegraph.bench.report import payload
-    from piecegraph.bench.sweep import SweepResult, run_sweep
-    from piecegraph.models import model_facts
-    from piecegraph.results.schema import write_result
-
-    device = resolve_device(device)
-    for flag, path in (("--json", json_path), ("--plot", plot_path)):
-        check_writable(path, flag)
-    backend = resolve_attention(attention, device)
+    device, backend = resolve_run_options(device, attention, {"--json": json_path, "--plot": plot_path})
     batch_list, prefill_list = _ints(batches, "--batches"), _ints(prefill, "--prefill")
     if not batch_list:
         raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
     mode_list, spec = _modes(modes, device, tp), _profile_spec(profile)
     quants = _quants(quant)
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
-    reports = run.reports
-    model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
-    partition_default = _inductor_graph_partition()  # read before any mode patches Inductor's config
-    done, accuracy, extra = SweepResult([]), [], {}  # the quants finished; their accuracy rows; expert tables
-    reference = None  # the unquantized model's teacher-forced logits
+    state = _BenchRun(run=run, model=default_model(model, device), device=device, dtype=dtype, hf=hf,
+                      backend=backend, attention=attention, quants=quants, modes=mode_list, batches=batch_list,
+                      prefill=prefill_list, context=context, repeats=repeats, spec=spec, json_path=json_path,
+                      partition_default=_inductor_graph_partition())  # before any mode patches Inductor's config
+    for q in quants:  # one model at a time: the A2.7B shape is 28.6 GB in bf16
+        state.sweep_quant(q)
+    state.finish(plot_path)
 
-    def env_of(result: Any) -> dict[str, Any]:  # attention: the backend the caches resolved --attention to
-        ranks = run.facts()
-        return environment(facts, model, result.bandwidth_gbs, attention=result.attention_backend or backend,
-                           quant=",".join(quants), world_size=ranks["world_size"], attention_option=attention,
-                           context=context, repeats=repeats, batches=batch_list, prefill=prefill_list,
-                           modes=mode_list, inductor_graph_partition=partition_default,
-                           tp_backend=ranks["tp_backend"])
 
-    def save_partial(result: Any) -> None:  # a run cut short still leaves the modes it finished
-        if json_path and reports:
-            result = _merged(done, result, q if len(quants) > 1 else None)
-            data = payload({**env_of(result), "partial": True}, result.rows, result.modes, attention_op_us=op_us)
-            write_result(json_path, **{**data, "rows": data["rows"] + accuracy, **extra})
+@dataclass
+class _BenchRun:
+    """One ``piecegraph bench`` run: its resolved options (``backend``: what ``--attention`` resolved to,
+    ``attention``: the option as given), its ``--tp`` place, and what the quants swept so far left behind."""
 
-    def log(line: str) -> None:  # plain: reasons and tracebacks hold brackets that rich would read as markup
-        if reports:
+    run: Any  # piecegraph.parallel.launch.TPRun
+    model: str
+    device: str
+    dtype: torch.dtype
+    hf: bool
+    backend: str
+    attention: str
+    quants: list[str]
+    modes: list[str]
+    batches: list[int]
+    prefill: list[int]
+    context: int
+    repeats: int
+    spec: tuple[str, int] | None  # --profile's mode and batch
+    json_path: Path | None
+    partition_default: bool | None  # torch's default Inductor graph_partition
+    done: Any = None  # the finished quants' rows, a SweepResult
+    accuracy: list[dict[str, Any]] = field(default_factory=list)  # each quantized model's row against bf16
+    extra: dict[str, Any] = field(default_factory=dict)  # more top-level result keys (expert kernel tables, ...)
+    reference: torch.Tensor | None = None  # the bf16 model's teacher-forced logits
+    facts: ModelFacts | None = None  # the model being swept (the last one's, once done)
+    op_us: dict[str, Any] | None = None  # the attention op's cost, measured with the first model
+    quant: str = ""  # the quant being swept
+    profiled: dict | None = None
+
+    def __post_init__(self) -> None:
+        from piecegraph.bench.sweep import SweepResult
+
+        self.done = SweepResult([])
+
+    @property
+    def label(self) -> str | None:
+        """The quant each row is labelled with: only in a run of several."""
+        return self.quant if len(self.quants) > 1 else None
+
+    def env(self, result: Any) -> dict[str, Any]:
+        """The result's ``env``; ``attention``: the backend the caches resolved --attention to."""
+        from piecegraph.bench.harness import environment
+
+        ranks = self.run.facts()
+        return environment(self.facts, self.model, result.bandwidth_gbs,
+                           attention=result.attention_backend or self.backend, quant=",".join(self.quants),
+                           world_size=ranks["world_size"], attention_option=self.attention, context=self.context,
+                           repeats=self.repeats, batches=self.batches, prefill=self.prefill, modes=self.modes,
+                           inductor_graph_partition=self.partition_default, tp_backend=ranks["tp_backend"])
+
+    def save_partial(self, result: Any) -> None:
+        """After each mode: a run cut short still leaves the modes it finished (with --json, on the reporting
+        rank)."""
+        from piecegraph.bench.report import payload
+        from piecegraph.results.schema import write_result
+
+        if self.json_path and self.run.reports:
+            result = _merged(self.done, result, self.label)
+            data = payload({**self.env(result), "partial": True}, result.rows, result.modes, attention_op_us=self.op_us)
+            write_result(self.json_path, **{**data, "rows": data["rows"] + self.accuracy, **self.extra})
+
+    def log(self, line: str) -> None:
+        """Plain: reasons and tracebacks hold brackets that rich would read as markup."""
+        if self.run.reports:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    profiled = None
-    for q in quants:  # one model at a time: the A2.7B shape is 28.6 GB in bf16
-        net = shard_for_tp(load_model(model, device, dtype, hf=hf, quant=q, optimize=run.solo), run)
-        facts = model_facts(net)  # asked once, after sharding: every stage below reads these
-        if q == quants[0]:
-            _check_backend(facts, backend, net)
-            op_us = attention_op_us(facts, backend, context)  # before the sweep: a sweep cut short still records it
+    def sweep_quant(self, quant: str) -> None:
+        """Build the model in ``quant``, judge its accuracy, sweep every mode over it, profile it if it is the
+        last; then free it before the next is built."""
+        from piecegraph.bench.profile import attention_op_us
+        from piecegraph.bench.sweep import run_sweep
+        from piecegraph.models import model_facts
+
+        self.quant, solo = quant, self.run.solo
+        net = shard_for_tp(load_model(self.model, self.device, self.dtype, hf=self.hf, quant=quant, optimize=solo),
+                           self.run)
+        self.facts = model_facts(net)  # asked once, after sharding: every stage below reads these
+        if quant == self.quants[0]:
+            _check_backend(self.facts, self.backend, net)
+            self.op_us = attention_op_us(self.facts, self.backend, self.context)  # before the sweep: kept if cut short
         if _expert_tables(net):
-            extra.setdefault("expert_kernels", {})[q] = _expert_tables(net)
+            self.extra.setdefault("expert_kernels", {})[quant] = _expert_tables(net)
         # A quantized model alone is also judged against its weights unquantized (seeded: the same random
         # weights); not kept here, so the sweep frees it after its references. With bf16 in the run, the bf16
         # rows and the accuracy row say that instead, and no second model is resident.
-        alone = q != "bf16" and run.solo and "bf16" not in quants
-        if run.solo and "bf16" in quants and len(quants) > 1 and hasattr(net, "logits"):  # a reference decoder
-            if q == "bf16":  # first in the run
-                reference = teacher_forced_logits(net, facts, backend=backend)
-            else:
-                accuracy.append(accuracy_row(q, teacher_forced_logits(net, facts, backend=backend), reference))
-                log(_accuracy_line(accuracy[-1]))
-        result = run_sweep(net, mode_list, batch_list, prefill_list, context=context, repeats=repeats, log=log,
-                           on_mode=save_partial, attention=backend, keep_going=run.solo,
-                           float_model=load_model(model, device, dtype, hf=hf) if alone else None, facts=facts)
-        done = _merged(done, result, q if len(quants) > 1 else None)
-        if spec and q == quants[-1]:
-            profiled = _run_profile(net, facts, spec, context, backend, reports)
+        alone = quant != "bf16" and solo and "bf16" not in self.quants
+        self._judge_accuracy(net)
+        result = run_sweep(net, self.modes, self.batches, self.prefill, context=self.context, repeats=self.repeats,
+                           log=self.log, on_mode=self.save_partial, attention=self.backend, keep_going=solo,
+                           float_model=load_model(self.model, self.device, self.dtype, hf=self.hf) if alone else None,
+                           facts=self.facts)
+        self.done = _merged(self.done, result, self.label)
+        if self.spec and quant == self.quants[-1]:
+            self.profiled = _run_profile(net, self.facts, self.spec, self.context, self.backend, self.run.reports)
         del net, result
-        _free_device(device)
-    from piecegraph.models.gemv import choice_table
+        _free_device(self.device)
 
-    if choice_table():  # which small-batch linears took the Triton kernel, with both kernels' measured times
-        extra["small_linear_choices"] = choice_table()
-    if reports:
-        _report(env_of(done), done, model, op_us, profiled, json_path, plot_path, accuracy, extra)
-    run.finish()
+    def _judge_accuracy(self, net: torch.nn.Module) -> None:
+        """With bf16 and other quants in one solo run of a reference decoder: keep bf16's teacher-forced logits
+        (first in the run) and add each other quant's accuracy row against them."""
+        from piecegraph.bench.accuracy import accuracy_row, teacher_forced_logits
+
+        if not (self.run.solo and "bf16" in self.quants and len(self.quants) > 1 and hasattr(net, "logits")):
+            return
+        logits = teacher_forced_logits(net, self.facts, backend=self.backend)
+        if self.quant == "bf16":
+            self.reference = logits
+            return
+        self.accuracy.append(accuracy_row(self.quant, logits, self.reference))
+        self.log(_accuracy_line(self.accuracy[-1]))
+
+    def finish(self, plot_path: Path | None) -> None:
+        """The small-linear kernel choices, the report (reporting rank) and the end of the ``--tp`` run."""
+        from piecegraph.models.gemv import choice_table
+
+        if choice_table():  # which small-batch linears took the Triton kernel, with both kernels' measured times
+            self.extra["small_linear_choices"] = choice_table()
+        if self.run.reports:
+            _report(self.env(self.done), self.done, self.model, self.op_us, self.profiled, self.json_path, plot_path,
+                    self.accuracy, self.extra)
+        self.run.finish()
 
 
 def _merged(done: Any, result: Any, quant: str | None) -> Any:

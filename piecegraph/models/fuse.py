@@ -14,7 +14,7 @@ from torch import nn
 from piecegraph.models.decoder import MLP, Attention
 
 # (module class, its projections, the fused module's name, the attribute holding the split sizes, biases allowed)
-_GROUPS = (
+FUSED_GROUPS = (
     (Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj", "qkv_sizes", True),
     (MLP, ("gate_proj", "up_proj"), "gate_up_proj", "gate_up_sizes", False),
 )
@@ -34,13 +34,13 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     fused is ever held twice. Fusing twice is a no-op.
 
     Order: after loading weights (``state_dict`` names change: ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/
-    ``up_proj`` become ``qkv_proj``/``gate_up_proj``, so a fused model neither loads nor saves Hugging Face
-    checkpoints), after :func:`~piecegraph.parallel.apply_tp` (which shards the unfused projections), before
-    :func:`~piecegraph.models.quantize_fp8` (which quantizes each fused part with its own scale) and before
-    compiling.
+    ``up_proj`` become ``qkv_proj``/``gate_up_proj``, so a fused model does not load Hugging Face checkpoints;
+    :func:`~piecegraph.models.save_hf` writes it unfused), after :func:`~piecegraph.parallel.apply_tp` (which
+    shards the unfused projections), before :func:`~piecegraph.models.quantize_fp8` (which quantizes each fused
+    part with its own scale) and before compiling.
     """
     for module in list(model.modules()):
-        for cls, names, fused_name, sizes_name, bias_ok in _GROUPS:
+        for cls, names, fused_name, sizes_name, bias_ok in FUSED_GROUPS:
             if isinstance(module, cls):
                 _fuse(module, names, fused_name, sizes_name, bias_ok)
     return model

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
+from piecegraph.models.fuse import FUSED_GROUPS
 from piecegraph.models.quant_formats import float_dtype, install, prepare, read_quant, vacate
 
 _SINGLE = "model.safetensors"
@@ -110,15 +111,60 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.de
 def save_hf(model: Decoder, path: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` for ``model`` into ``path`` (created if needed).
 
-    A tied ``lm_head.weight`` is omitted, as Hugging Face does. Returns ``path``.
+    A tied ``lm_head.weight`` is omitted, as Hugging Face does. A model fused by
+    :func:`~piecegraph.models.fuse_projections` is written unfused (``qkv_proj`` split back into ``q_proj``,
+    ``k_proj``, ``v_proj`` and ``gate_up_proj`` into ``gate_proj``, ``up_proj`` by the recorded sizes): the folder is
+    what the unfused model writes. Tensors are copied to the CPU; the model is not changed. Raises ``ValueError`` for
+    FP8 weights (save before :func:`~piecegraph.models.quantize_fp8`) and for weights whose names or shapes differ
+    from the decoder ``model.config`` describes (e.g. tensor-parallel shards). Returns ``path``.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    fp8 = sorted(name for name, t in state.items() if t.dtype.itemsize == 1 and t.is_floating_point())
+    if fp8:
+        raise ValueError(f"save_hf writes float weights, but the model has FP8 ones ({_names(set(fp8))}): call "
+                         "save_hf before quantize_fp8, on the float model")
+    state = _unfuse(model, state)
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared storage, and HF omits it anyway
+    _check_layout(state, model.config)
+    state = {name: t.contiguous().cpu() for name, t in state.items()}
     config = model.config.to_hf()
     config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(state, str(path / _SINGLE), metadata={"format": "pt"})
     return path
+
+
+def _unfuse(model: Decoder, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every fused projection of ``model`` split back into its parts' Hugging Face names."""
+    for prefix, module in model.named_modules():
+        for _, names, fused_name, sizes_name, _ in FUSED_GROUPS:
+            sizes = getattr(module, sizes_name, None)
+            if sizes is None or getattr(module, fused_name, None) is None:
+                continue
+            base = f"{prefix}." if prefix else ""
+            for kind in ("weight", "bias"):
+                fused = state.pop(f"{base}{fused_name}.{kind}", None)
+                if fused is not None:
+                    # own CPU copies: views would share the fused storage, which safetensors refuses
+                    state.update({f"{base}{name}.{kind}": part.to("cpu", copy=True)
+                                  for name, part in zip(names, fused.split(list(sizes)))})
+    return state
+
+
+def _check_layout(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Refuse weights that :func:`load_hf` (and transformers) would not read back as the decoder of ``config``."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in Decoder(config).state_dict().items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    bad = {n for n in set(expected) & set(state) if tuple(state[n].shape) != expected[n]}
+    if missing or unexpected or bad:
+        raise ValueError(
+            f"save_hf: the model's weights do not match the {config.num_layers}-layer decoder its config describes "
+            f"(tensor-parallel shards or a changed module?): missing [{_names(missing)}]; unexpected "
+            f"[{_names(unexpected)}]; other shapes [{_names(bad)}]; save the unsharded reference decoder"
+        )

@@ -13,11 +13,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from piecegraph.cli_common import (
     MODEL_HELP,
-    check_writable,
+    default_model,
     int_list,
     load_model,
-    resolve_attention,
-    resolve_device,
+    resolve_run_options,
     shard_for_tp,
     start_tp,
 )
@@ -141,10 +140,7 @@ def serve_bench(
     from piecegraph.serve.report import payload
     from piecegraph.serve.sweep import Plan, run_sweep
 
-    device = resolve_device(device)
-    for flag, path in (("--json", json_path), ("--plot", plot_path)):
-        check_writable(path, flag)
-    backend = resolve_attention(attention, device)
+    device, backend = resolve_run_options(device, attention, {"--json": json_path, "--plot": plot_path})
     mode_list, conc = _modes(modes), int_list(concurrency, "--concurrency")
     if not conc:
         raise typer.BadParameter("at least one concurrency is needed", param_hint="--concurrency")
@@ -166,7 +162,7 @@ def serve_bench(
         raise typer.BadParameter(f"{compiler!r} is not inductor or eager", param_hint="--compiler")
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
     reports = run.reports
-    model = model if model != "auto" else ("qwen2.5-0.5b" if device == "cuda" else "tiny")
+    model = default_model(model, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     net = shard_for_tp(load_model(model, device, dtype, quant=quant, optimize=run.solo), run)  # fused after sharding
     max_len = min(-(-work.max_len // page_size) * page_size, net.config.max_seq_len)  # whole pages when it can

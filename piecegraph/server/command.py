@@ -12,7 +12,7 @@ import torch
 import typer
 from rich.console import Console
 
-from piecegraph.cli_common import PRESETS, load_model, resolve_attention, resolve_device
+from piecegraph.cli_common import PRESETS, default_model, load_model, resolve_attention, resolve_device
 from piecegraph.config import FULL_COMPILE
 from piecegraph.server.affinity import available_cpus, format_cpus, pin, split_cpus
 
@@ -104,7 +104,7 @@ def serve(
     device = resolve_device(device)
     backend = resolve_attention(attention, device)
     gpu = device == "cuda"
-    name = model_arg or model or ("qwen2.5-0.5b" if gpu else "tiny")
+    name = default_model(model_arg or model or "auto", device)
     source, name = name, gguf_to_folder(name)
     dtype = torch.bfloat16 if backend == "flashinfer" or (gpu and name in PRESETS) else torch.float32
     if name not in PRESETS and not Path(name).is_dir():

@@ -11,22 +11,16 @@ cache layer of its own (``piecegraph.hf.multi_call``):
 """
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import transformers_greedy  # noqa: E402
+from hf_tiny import BASE, NEW, PROMPTS, hf_greedy, init_fan_in, random_causal_lm, skip_unless_known  # noqa: E402
 
 import piecegraph.hf as pghf  # noqa: E402
 import piecegraph.hf.multi_call as multi_call  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 9, 10, 11], [7, 7, 1, 64, 30]]
-NEW = 8
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2)
 # one input layer, one recurrent layer run three times, one output layer; sliding windows shorter than the prompts
 DORY = dict(BASE, num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,
             n_recurrent_loops=3, sliding_window=4,
@@ -35,22 +29,8 @@ DORY = dict(BASE, num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n
 
 def build(model_type, **fields):
     """A float32 tiny random causal LM, projections ~ N(0, 1/fan_in) so that every layer matters."""
-    if model_type not in transformers.CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
-    cfg = transformers.AutoConfig.for_model(model_type, **fields)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "embed" in name:
-                param.normal_(0, 0.1)
-            elif param.dim() >= 2 and "norm" not in name:
-                param.normal_(0, param.shape[-1] ** -0.5)
-    return hf
-
-
-def hf_greedy(hf):
-    return [transformers_greedy(hf, prompt, NEW) for prompt in PROMPTS]
+    skip_unless_known(model_type)
+    return random_causal_lm(transformers.AutoConfig.for_model(model_type, **fields), init_fan_in)
 
 
 @pytest.fixture(scope="module")

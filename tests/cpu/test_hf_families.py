@@ -20,7 +20,17 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import transformers_greedy  # noqa: E402
+from hf_tiny import (  # noqa: E402
+    BASE,
+    NEW,
+    PROMPTS,
+    hf_greedy,
+    init_fan_in,
+    random_causal_lm,
+    refusal,
+    sized_config,
+    skip_unless_known,
+)
 
 import piecegraph.hf as pghf  # noqa: E402
 import piecegraph.hf.adapters as adapters  # noqa: E402
@@ -29,11 +39,6 @@ from piecegraph.hf.mla import MLAHFDecoder  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 9, 10, 11], [7, 7, 1, 64, 30]]
-NEW = 8
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2)
 MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
            num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
@@ -44,29 +49,16 @@ DSA_REFUSED = {"hy_v4": "hyper-connections", "axk2": "gated RMSNorms",
 
 def config(model_type, **fields):
     """A tiny config of ``model_type`` (fields its config does not have are dropped)."""
-    if model_type not in transformers.CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
-    default = transformers.CONFIG_MAPPING[model_type]()
-    return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if hasattr(default, k)})
+    skip_unless_known(model_type)
+    return sized_config(model_type, **fields)
 
 
 def model(cfg):
     """A float32 tiny random causal LM of ``cfg``, projections ~ N(0, 1/fan_in) so that every layer matters."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf = random_causal_lm(cfg, init_fan_in)
     if getattr(hf.config, "_experts_implementation", None) == "eager":
         hf.config._experts_implementation = "batched_mm"  # as piecegraph.hf.load: eager experts do not trace
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "embed" in name or "wte" in name:
-                param.normal_(0, 0.1)
-            elif param.dim() >= 2 and "norm" not in name:
-                param.normal_(0, param.shape[-1] ** -0.5)
     return hf
-
-
-def hf_greedy(hf):
-    return [transformers_greedy(hf, prompt, NEW) for prompt in PROMPTS]
 
 
 def assert_equal_tokens(hf):
@@ -76,17 +68,6 @@ def assert_equal_tokens(hf):
     got = pghf.generate(hf, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
     pghf.unwrap(hf)
     assert got == want
-
-
-def refusal(hf):
-    """The message piecegraph refuses ``hf`` with (the config check, then the wrap); fails if it runs it."""
-    with pytest.raises(pghf.UnsupportedModelError) as err:
-        pghf.check_supported(hf.config)
-        pghf.generate(hf, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
-    assert not hasattr(hf, "_piecegraph_hf"), "a refused model stays wrapped"
-    message = str(err.value)
-    assert repr(hf.config.model_type) in message, message
-    return message
 
 
 # ---------------------------------------------------------------------- DeepSeek sparse attention

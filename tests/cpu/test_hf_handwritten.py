@@ -8,11 +8,10 @@ refused naming the model type.
 """
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import transformers_greedy  # noqa: E402
+from hf_tiny import NEW, PROMPTS, hf_greedy, random_causal_lm, refusal, sized_config  # noqa: E402
 
 import piecegraph.hf as pghf  # noqa: E402
 import piecegraph.hf.adapters as adapters  # noqa: E402
@@ -21,8 +20,6 @@ from piecegraph.hf.attention import is_flat  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 9, 10, 11], [7, 7, 1, 64, 30]]
-NEW = 8
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, is_decoder=True,
              input_embedding_size=32, output_embedding_size=32, embedding_size=64)
@@ -32,37 +29,18 @@ ADAPTED = {"config", "is_causal", "scaling", "forward"}  # what the adapter sets
 def model(model_type, **fields):
     """A float32 tiny random ``model_type`` causal LM, every matrix ~N(0, 1/fan_in) and biases 0, so that every
     layer matters and greedy tokens vary with the context (fields its config does not have are dropped)."""
-    default = transformers.CONFIG_MAPPING[model_type]()
-    sizes = {k: v for k, v in {**SIZES, **fields}.items() if hasattr(default, k)}
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **sizes),
-                                                       dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0, param.shape[-1] ** -0.5)
-            elif name.endswith("bias"):
-                param.zero_()
-    return hf
+    return random_causal_lm(sized_config(model_type, **{**SIZES, **fields}), init_matrices_fan_in_biases_zero)
 
 
-def hf_greedy(hf):
-    return [transformers_greedy(hf, prompt, NEW) for prompt in PROMPTS]
+def init_matrices_fan_in_biases_zero(name, param):
+    if param.dim() >= 2:
+        param.normal_(0, param.shape[-1] ** -0.5)
+    elif name.endswith("bias"):
+        param.zero_()
 
 
 def self_attentions(hf):
     return [m for m in hf.modules() if families._is_bert_self_attention(m)]
-
-
-def refusal(hf):
-    """The message piecegraph refuses ``hf`` with (the config check, then the wrap); fails if it runs it."""
-    with pytest.raises(pghf.UnsupportedModelError) as err:
-        pghf.check_supported(hf.config)
-        pghf.generate(hf, PROMPTS, NEW, mode="eager", backend="torch", reuse=False)
-    assert not hasattr(hf, "_piecegraph_hf"), "a refused model stays wrapped"
-    message = str(err.value)
-    assert repr(hf.config.model_type) in message, message
-    return message
 
 
 CASES = {

@@ -17,6 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_tiny import init_all_matrices_fan_in, init_fan_in, random_causal_lm  # noqa: E402
+
 import piecegraph.hf as pghf  # noqa: E402
 from piecegraph.hf.positions import self_numbering_modules  # noqa: E402
 
@@ -32,15 +34,7 @@ TYPES = ["bart", "marian", "mbart", "pegasus", "blenderbot", "blenderbot-small",
 
 def tiny(model_type):
     """A float32 tiny random ``model_type`` causal LM, projections ~N(0, 1/fan_in)."""
-    config = transformers.AutoConfig.for_model(model_type, **SIZES)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "embed" in name:
-                param.normal_(0, 0.1)
-            elif param.dim() >= 2 and "norm" not in name:
-                param.normal_(0, param.shape[-1] ** -0.5)
+    model = random_causal_lm(transformers.AutoConfig.for_model(model_type, **SIZES), init_fan_in)
     # Blenderbot's default bans n-grams of the prompt (a processor piecegraph refuses: test_hf_forced_tokens.py)
     model.generation_config.encoder_no_repeat_ngram_size = 0
     return model
@@ -113,13 +107,7 @@ def roberta_like(model_type):
         model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=64, is_decoder=True, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
-    return model
+    return random_causal_lm(config, init_all_matrices_fan_in)
 
 
 @pytest.mark.parametrize("model_type", ROBERTA_TYPES)
@@ -147,14 +135,7 @@ def projection_model(model_type):
     """A float32 tiny random causal LM whose attention is computed in its modeling code (fairseq layout)."""
     sizes = {**dict(vocab_size=128, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
              **PROJECTION_SIZES[model_type]}
-    config = transformers.AutoConfig.for_model(model_type, **sizes)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
-    return model
+    return random_causal_lm(transformers.AutoConfig.for_model(model_type, **sizes), init_all_matrices_fan_in)
 
 
 @pytest.mark.parametrize("model_type", sorted(PROJECTION_SIZES))

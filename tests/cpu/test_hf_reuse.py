@@ -11,6 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_tiny import init_all_matrices_fan_in, random_causal_lm  # noqa: E402
+
 import piecegraph.hf as pghf  # noqa: E402
 from piecegraph.hf import reuse  # noqa: E402
 from piecegraph.models import TINY, Decoder  # noqa: E402
@@ -26,12 +28,7 @@ def model():
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in net.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
+    net = random_causal_lm(config, init_all_matrices_fan_in)
     net.generation_config.eos_token_id = None
     yield net
     reuse.forget(net)
