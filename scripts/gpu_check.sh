@@ -199,7 +199,7 @@ if has hbm; then  # batch-1 decode against the memory bound: the same bench with
   for small in ${HBM_KERNELS:-cublas auto}; do
     PIECEGRAPH_SMALL_LINEAR=$small python3 -m piecegraph.cli bench --model "${HBM_MODEL:-llama-3.2-1b}" --device cuda \
       --attention flashinfer --modes "${HBM_MODES:-full-static,baked-graph,auto}" --batches "${BATCHES:-1,10}" \
-      --prefill "" --repeats 20 --profile "${HBM_PROFILE:-full-static:1}" \
+      --prefill "" --repeats 20 --profile "${HBM_PROFILE:-full-static:1,baked-graph:1}" \
       --json "$(name "bench_batch1_${HBM_MODEL:-llama-3.2-1b}_$small")" 2>&1 | tee -a "$OUT/hbm_bench.log"
     ok "${PIPESTATUS[0]}"
   done

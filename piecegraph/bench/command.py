@@ -68,16 +68,20 @@ def _quants(text: str) -> list[str]:
     return sorted(names, key=lambda q: q != "bf16")
 
 
-def _profile_spec(text: str | None) -> tuple[str, int] | None:
+def _profile_specs(text: str | None) -> list[tuple[str, int]]:
+    """``--profile``: ``MODE:BATCH`` or a comma list of them, e.g. ``full-static:1,baked-graph:1``."""
     if not text:
-        return None
+        return []
     from piecegraph.bench.modes import KNOWN_MODES
 
-    mode, _, batch = text.rpartition(":")
-    if mode not in KNOWN_MODES or not batch.isdigit() or int(batch) < 1:
-        raise typer.BadParameter(f"{text!r}: expected MODE:BATCH with a mode of {', '.join(KNOWN_MODES)}, "
-                                 "e.g. piecewise:1", param_hint="--profile")
-    return mode, int(batch)
+    specs = []
+    for part in text.split(","):
+        mode, _, batch = part.strip().rpartition(":")
+        if mode not in KNOWN_MODES or not batch.isdigit() or int(batch) < 1:
+            raise typer.BadParameter(f"{part!r}: expected MODE:BATCH (or a comma list of them) with a mode of "
+                                     f"{', '.join(KNOWN_MODES)}, e.g. piecewise:1", param_hint="--profile")
+        specs.append((mode, int(batch)))
+    return specs
 
 
 def bench(
@@ -97,7 +101,9 @@ def bench(
     json_path: Path | None = typer.Option(None, "--json", help="write the result file (the one result schema: "
                                           "benchmark, env, rows, setup)"),  # noqa: B008
     plot_path: Path | None = typer.Option(None, "--plot", help="write a PNG: ms by batch, by tokens"),  # noqa: B008
-    profile: str | None = typer.Option(None, help="MODE:BATCH: also profile one decode step (e.g. piecewise:1)"),
+    profile: str | None = typer.Option(None, help="MODE:BATCH: also profile one decode step (e.g. piecewise:1); a "
+                                       "comma list profiles each (the first goes to the result's profile, all of "
+                                       "them to its profiles)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     attention: str = typer.Option("auto", help="attention backend of the paged KV caches: auto | torch | flashinfer "
                                   "(auto: FlashInfer on a GPU that has it, else torch)"),
@@ -111,7 +117,7 @@ def bench(
     batch_list, prefill_list = _ints(batches, "--batches"), _ints(prefill, "--prefill")
     if not batch_list:
         raise typer.BadParameter("at least one decode batch is needed", param_hint="--batches")
-    mode_list, spec = _modes(modes, device, tp), _profile_spec(profile)
+    mode_list, spec = _modes(modes, device, tp), _profile_specs(profile)
     quants = _quants(quant)
     run = start_tp(tp, device)  # --tp > 1 outside torchrun: runs this command as its ranks and exits here
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 is what serving runs; CPU tests need fp32
@@ -142,7 +148,7 @@ class _BenchRun:
     prefill: list[int]
     context: int
     repeats: int
-    spec: tuple[str, int] | None  # --profile's mode and batch
+    spec: list[tuple[str, int]]  # --profile's modes and batches
     json_path: Path | None
     partition_default: bool | None  # torch's default Inductor graph_partition
     done: Any = None  # the finished quants' rows, a SweepResult
@@ -218,7 +224,11 @@ class _BenchRun:
                            facts=self.facts)
         self.done = _merged(self.done, result, self.label)
         if self.spec and quant == self.quants[-1]:
-            self.profiled = _run_profile(net, self.facts, self.spec, self.context, self.backend, self.run.reports)
+            profiles = [_run_profile(net, self.facts, spec, self.context, self.backend, self.run.reports)
+                        for spec in self.spec]
+            self.profiled = profiles[0]
+            if len(profiles) > 1:
+                self.extra["profiles"] = profiles
         del net, result
         _free_device(self.device)
 

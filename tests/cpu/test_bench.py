@@ -375,6 +375,7 @@ def test_meta_adapter_marks_attention_no_graph_and_restores_it(tiny, tiny_facts,
 def test_bad_sizes_and_profile_spec_name_their_option():
     for args, option in ((["--prefill", "16,x"], "--prefill"), (["--batches", "0"], "--batches"),
                          (["--profile", "piecewise"], "--profile"), (["--profile", "nope:1"], "--profile"),
+                         (["--profile", "none:1,piecewise"], "--profile"),
                          (["--modes", "nope"], "--modes")):
         result = runner.invoke(app, ["bench", "--device", "cpu", *args])
         assert result.exit_code != 0 and option in result.output, result.output
@@ -524,3 +525,15 @@ def test_step_timeline_orders_the_last_steps_kernels_and_sums_their_gaps_by_kind
     assert timeline["us_by_kind"] == {"gemm": 10.0, "attention": 3.0, "other": 0.5}
     assert is_gemm_kernel("void cutlass::Kernel2<x>") and not is_gemm_kernel("triton_red_fused_mean_1")
     assert step_timeline(kernels, 0) == {}
+
+
+def test_a_profile_list_profiles_each_step(tmp_path):
+    """``--profile A,B``: the first profile stays the result's ``profile``; ``profiles`` holds both, in order."""
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--modes", "none", "--batches", "1", "--prefill", "",
+                                 "--context", "8", "--repeats", "1", "--json", str(out), "--profile", "none:1,eager:2"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [(p["mode"], p["batch"]) for p in data["profiles"]] == [("none", 1), ("eager", 2)]
+    assert data["profile"] == data["profiles"][0]
+    assert all(p["split_calls_per_step"] == TINY.num_layers for p in data["profiles"])  # each step profiled whole
