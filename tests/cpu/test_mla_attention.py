@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import piecegraph.attention.mla_op  # noqa: F401  (registers torch.ops.piecegraph_models.mla_attention)
@@ -200,6 +200,33 @@ def test_op_equals_reference_over_random_layouts(layout, topk, page_size, seed, 
                 lengths[seq] = lengths.get(seq, 0) + new
         steps.append(step)
     _run([s for s in steps if s], seed, topk, page_size, pad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(context=st.integers(4, 40), topk=st.integers(1, 12), queries=st.integers(1, 3),
+       page_size=st.sampled_from([4, 16]), zeros=st.integers(0, 8), seed=st.integers(0, 999))
+def test_dsa_choice_among_tied_scores_does_not_depend_on_page_padding(context, topk, queries, page_size, zeros,
+                                                                     seed):
+    """Index scores tie exactly where ReLU zeroes every head (``zeros`` keys here). The choice over a page-padded
+    width equals ``topk`` over the exact context, the tensor transformers scores, whatever the page size."""
+    from piecegraph.attention.backends.torch_mla import _select
+
+    assume(context - queries + 1 > topk)  # fewer causal keys than topk: all are chosen, padding fills the rest
+    gen = torch.Generator().manual_seed(seed)
+    iq, w = torch.randn(1, queries, HI, DI, generator=gen), torch.rand(1, queries, HI, 1, generator=gen)
+    keys = torch.randn(1, context, DI, generator=gen)
+    tied = torch.randperm(context, generator=gen)[:zeros]
+    keys[0, tied] = 0.0  # every head's dot is 0, so is the ReLU-weighted score: exact ties
+    positions = torch.arange(context)
+    causal = torch.where(positions[None, :] <= context - queries + torch.arange(queries)[:, None], 0.0, -torch.inf)
+    width = -(-context // page_size) * page_size + page_size  # rounded up to pages, and one page more
+    padded_keys = torch.cat([keys, torch.randn(1, width - context, DI, generator=gen)], dim=1)
+    padded_mask = torch.cat([causal, torch.full((queries, width - context), -torch.inf)], dim=1)
+    got = _select(iq, w, padded_keys, padded_mask[None, :, None], topk, 0.5)
+    want = _select(iq, w, keys, causal[None, :, None], topk, 0.5)
+    assert torch.equal(got, want)
+    scores = (torch.relu(torch.einsum("qhd,ld->qhl", iq[0], keys[0]) * 0.5) * w[0]).sum(1) + causal
+    assert torch.equal(want[0], scores.topk(min(topk, context), dim=-1).indices)  # topk over the exact context
 
 
 def test_refusals_name_the_argument():

@@ -221,10 +221,11 @@ def _select(iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, mask: torch.T
     ``topk``, with masked ones filling the rest). ``iq`` ``[B, Q, Hi, Di]``, ``w`` ``[B, Q, Hi, 1]``, ``keys``
     ``[B, L, Di]``, ``mask`` its causal mask."""
     batch, queries, heads, _ = iq.shape
+    k = min(topk, keys.shape[1])
+    keys, mask = keys[:, :_causal_width(mask, k)], mask[..., :_causal_width(mask, k)]
     length = keys.shape[1]
     iq, w, keys_t = iq.float(), w.float(), keys.float().transpose(1, 2)
     step = _chunk(batch, queries, heads, length)
-    k = min(topk, length)
     chosen = torch.empty(batch, queries, k, dtype=torch.int64, device=keys.device)
     for start in range(0, queries, step):
         end = min(queries, start + step)
@@ -233,3 +234,16 @@ def _select(iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, mask: torch.T
         score = (dots * w[:, start:end]).sum(dim=2) + mask[:, start:end, 0]  # [B, q, L]
         chosen[:, start:end] = score.topk(k, dim=-1).indices
     return chosen
+
+
+def _causal_width(mask: torch.Tensor, k: int) -> int:
+    """On a CPU, the step's widest causal reach (at least ``k``): the key columns past it are masked in every row,
+    only there because pages round the width up. Scoring without them leaves ``topk`` the same tensor a model
+    without pages scores (transformers': its exact context), so where ReLU makes scores tie exactly (at 0), the
+    tie goes the same way whatever the page size. On other devices (a sync, and full graphs need a fixed width)
+    the whole width."""
+    width = mask.shape[-1]
+    if mask.device.type != "cpu" or width <= k:
+        return width
+    reach = torch.nonzero((mask[:, :, 0] == 0).any(0).any(0))
+    return max(k, int(reach[-1]) + 1) if len(reach) else width
