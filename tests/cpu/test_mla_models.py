@@ -214,18 +214,20 @@ def test_compile_and_hfdecoder_of_an_mla_model_run_the_mla_decoder(tiny, kind):
     assert stats["split_ops"] == hf.config.num_hidden_layers and stats["pieces"] == stats["split_ops"] + 1
 
 
-@pytest.mark.parametrize("kind, mode", [("glm_moe_dsa", "eager"), ("glm_moe_dsa", "auto"), ("deepseek_v32", "eager")])
-def test_engine_serves_dsa_folders_like_transformers(tiny, kind, mode):
-    """The serving engine on a GLM-5 or DeepSeek-V3.2 folder loaded as ``piecegraph serve DIR`` loads it: two
-    concurrent requests, one longer than index_topk, prefills chunked by a 16-token step budget; greedy tokens equal
-    transformers'."""
+@pytest.mark.parametrize("kind, mode, page_size", [("glm_moe_dsa", "eager", 4), ("glm_moe_dsa", "auto", 4),
+                                                    ("deepseek_v32", "eager", 4), ("glm_moe_dsa", "eager", 16),
+                                                    ("deepseek_v3", "eager", 16)])
+def test_engine_serves_dsa_folders_like_transformers(tiny, kind, mode, page_size):
+    """The serving engine on a GLM-5, DeepSeek-V3.2 or DeepSeek-V3 folder loaded as ``piecegraph serve DIR`` loads
+    it: two concurrent requests, one longer than index_topk, prefills chunked by a 16-token step budget, pages of 4
+    or 16 tokens (``serve``'s default); greedy tokens equal transformers'."""
     from piecegraph.cli_common import load_model
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
     hf, folder, _ = tiny[kind]
     model = load_model(str(folder), "cpu", torch.float32)
     assert isinstance(model, MLADecoder)
-    config = EngineConfig(mode=mode, max_num_seqs=2, max_num_batched_tokens=16, page_size=4, max_seq_len=40,
+    config = EngineConfig(mode=mode, max_num_seqs=2, max_num_batched_tokens=16, page_size=page_size, max_seq_len=40,
                           decode_sizes=(1, 2), prefill_sizes=(4, 16), compiler="eager", emulate_graphs=True)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, eos_token_id=hf.generation_config.eos_token_id)
     assert Engine(model, config).generate(PROMPTS, params) == [_hf_greedy(hf, p) for p in PROMPTS]
