@@ -324,3 +324,37 @@ def test_kv_bytes_per_token_is_what_the_latent_cache_holds(tiny):
         c = model.config
         expanded = c.num_layers * c.num_heads * (c.qk_head_dim + c.value_head_dim) * 4
         assert held // 12 < expanded / 2, kind
+
+
+# glm_moe_dsa's seed 1 puts exact ties (index scores of 0) at the top-k boundary of its longer prompt
+@pytest.mark.parametrize("kind, seed", [("glm_moe_dsa", 1), ("deepseek_v3", 0)])
+def test_a_served_folder_answers_with_transformers_tokens(tmp_path, kind, seed):
+    """What ``piecegraph serve DIR`` runs on a CPU (the folder's model by ``load_model``, its own tokenizer, the
+    HTTP server, the engine's CPU defaults: eager, 16-token pages): completions of a prompt longer than
+    index_topk and of a short one equal transformers' greedy tokens."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from byte_tokenizer import write_byte_tokenizer
+
+    from piecegraph.cli_common import load_model
+    from piecegraph.serve import Engine, EngineConfig
+    from piecegraph.server.run import BackgroundServer, build_state
+    from piecegraph.server.tokenizer import load_tokenizer
+
+    vocab_size = write_byte_tokenizer(tmp_path)
+    config_cls, model_cls, extra = CONFIGS[kind]
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, "vocab_size": vocab_size},
+                                                                         **extra)).eval()
+    _randomize(hf, seed=seed)
+    hf.save_pretrained(tmp_path)
+    engine = Engine(load_model(str(tmp_path), "cpu", torch.float32), EngineConfig(mode="eager", max_num_seqs=4,
+                                                                                   max_seq_len=64))
+    got = []
+    with BackgroundServer(build_state(engine, load_tokenizer(str(tmp_path), 0), kind)) as server:
+        for prompt in PROMPTS:
+            body = {"model": kind, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                    "return_token_ids": True}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            got.append(response.json()["choices"][0]["token_ids"])
+    assert engine.cache.page_size == 16
+    assert got == [_hf_greedy(hf, p) for p in PROMPTS]

@@ -130,27 +130,15 @@ def test_shutdown_finishes_or_aborts_in_flight_requests_and_frees_pages(drain_s,
 def _hf_folder(path):
     """A tiny random Qwen2 and a byte-level BPE tokenizer with a chat template and an EOS, built here."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from byte_tokenizer import write_byte_tokenizer
 
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=template,
-                                   additional_special_tokens=specials)
-    fast.save_pretrained(path)
-    config = transformers.AutoConfig.for_model("qwen2", vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+    vocab_size = write_byte_tokenizer(path)
+    config = transformers.AutoConfig.for_model("qwen2", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=128)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return len(vocab) - 1  # the EOS id
+    return vocab_size - 1  # the EOS id
 
 
 def test_a_model_directory_is_served_with_its_own_tokenizer_and_template(tmp_path):
