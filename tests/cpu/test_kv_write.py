@@ -100,3 +100,18 @@ def test_a_capture_never_compiles_the_kernel(monkeypatch):
     writer(k.to(torch.float64), v.to(torch.float64), *caches, slots)  # another dtype, unseen: the fallback
     assert calls == [False, True, True, False]
     assert all(torch.equal(a, b) for a, b in zip(caches, want))
+
+
+def test_a_kernel_that_does_not_build_falls_back_to_index_copy_with_a_warning(monkeypatch):
+    def broken():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kv_write, "fused_write_runs", lambda *a: True)
+    monkeypatch.setattr(kv_write, "_kernel", broken)
+    writer = kv_write.KVWriter()
+    k, v, caches, slots = _case(3, 2, 8, 8, torch.float32, "cpu", seed=2)
+    want = _reference(k, v, caches, slots)
+    with pytest.warns(UserWarning, match="did not build.*no compiler.*index_copy_"):
+        writer(k, v, *caches, slots)
+    writer(k, v, *caches, slots)  # remembered: no second attempt, no second warning
+    assert all(torch.equal(a, b) for a, b in zip(caches, want)) and len(writer.failed) == 1

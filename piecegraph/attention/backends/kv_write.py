@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -82,16 +83,27 @@ class KVWriter:
 
     def __init__(self) -> None:
         self.seen: set[tuple] = set()
+        self.failed: dict[tuple, str] = {}  # signatures whose kernel would not build: index_copy_ for good
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
         tensors = (k, v, k_cache, v_cache, slots)
         signature = (tuple(t.dtype for t in tensors), k.shape[1:], v.shape[1:],
                      tuple(t.data_ptr() % 16 == 0 for t in tensors), k.stride(0) % 16 == 0, v.stride(0) % 16 == 0)
-        if _capturing(k) and signature not in self.seen:
+        if signature in self.failed or (_capturing(k) and signature not in self.seen):
             write_kv(*tensors, fused=False)
             return
-        write_kv(*tensors)
+        if signature in self.seen:
+            write_kv(*tensors)
+            return
+        try:  # the first call of a signature builds the kernel: a build that fails leaves the caches untouched
+            write_kv(*tensors)
+        except Exception as exc:  # noqa: BLE001  (a Triton or driver that cannot build it: the copies still can)
+            self.failed[signature] = f"{type(exc).__name__}: {exc}"[:300]
+            warnings.warn(f"piecegraph: the one-kernel KV write did not build ({self.failed[signature]}); this "
+                          "cache writes keys and values with index_copy_ instead", stacklevel=3)
+            write_kv(*tensors, fused=False)
+            return
         self.seen.add(signature)
 
 
