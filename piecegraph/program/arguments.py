@@ -96,8 +96,12 @@ def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
                 watched.append((module, name, buf, buf._version))
             else:
                 saved.append((module, name, buf, buf.to("cpu", copy=True) if large else buf.clone()))
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True  # the block's own error is the one to see, not the check below
+        raise
     finally:
         for module, name, buf, value in saved:
             module._buffers[name] = buf  # a forward that re-assigned the buffer gets the original back
@@ -105,7 +109,7 @@ def kept_buffers(model: torch.nn.Module) -> Iterator[None]:
         changed = [name for module, name, buf, version in watched if buf._version != version]
         for module, name, buf, _ in watched:
             module._buffers[name] = buf
-        if changed:
+        if changed and not failed:
             raise RuntimeError(
                 f"the model wrote its large buffer(s) {', '.join(changed)} in place during piecegraph's own runs "
                 f"(trace, warm-up, capture); buffers of {COPY_LIMIT_BYTES >> 20} MiB or more are taken for weights "

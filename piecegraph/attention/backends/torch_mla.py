@@ -222,7 +222,8 @@ def _select(iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, mask: torch.T
     ``[B, L, Di]``, ``mask`` its causal mask."""
     batch, queries, heads, _ = iq.shape
     k = min(topk, keys.shape[1])
-    keys, mask = keys[:, :_causal_width(mask, k)], mask[..., :_causal_width(mask, k)]
+    width = _causal_width(mask, k)
+    keys, mask = keys[:, :width], mask[..., :width]
     length = keys.shape[1]
     iq, w, keys_t = iq.float(), w.float(), keys.float().transpose(1, 2)
     step = _chunk(batch, queries, heads, length)
