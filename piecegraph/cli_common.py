@@ -208,13 +208,13 @@ def shard_for_tp(net: torch.nn.Module, run: Any) -> torch.nn.Module:
     if run.solo:
         return net
     from piecegraph.models import fuse_projections
-    from piecegraph.models.decoder import MLP, Attention
+    from piecegraph.models.fuse import FUSED_GROUPS
     from piecegraph.models.gemv import SmallBatchLinear, use_small_batch_kernels
     from piecegraph.parallel import apply_tp
     from piecegraph.parallel.launch import GROUP
 
-    if any(isinstance(m, SmallBatchLinear) or (isinstance(m, (Attention, MLP)) and
-                                               (hasattr(m, "qkv_proj") or hasattr(m, "gate_up_proj")))
+    if any(isinstance(m, SmallBatchLinear) or any(isinstance(m, cls) and hasattr(m, fused)
+                                                  for cls, _, fused, _, _ in FUSED_GROUPS)
            for m in net.modules()):
         raise ValueError("shard_for_tp shards the unfused q/k/v and gate/up projections: load the model with "
                          "load_model(..., optimize=run.solo); the shards are optimized here, after sharding")

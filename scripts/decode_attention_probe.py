@@ -2,7 +2,7 @@
 
 Usage: python scripts/decode_attention_probe.py [OUTDIR] [--context 256] [--batches 1,10]
 Shape: 32 query / 8 KV heads of 64, pages of 16 tokens, 16 layers (each its own caches) captured in one CUDA graph
-and replayed (CUDA events, median of 20 timings of 10 replays). Rows, per batch: the decode wrapper on tensor cores
+and replayed (CUDA events, median of 20 replays). Rows, per batch: the decode wrapper on tensor cores
 and on the plain decode kernel, each planned in CUDA-graph mode (what a captured engine step runs) and in eager
 mode (what a graph baked for one exact step runs); then the KV write of the step's new token in every layer as two
 ``index_copy_``, as Inductor's indexed assignment, and as piecegraph's one-kernel ``write_kv``. Prints the rows;
@@ -10,37 +10,19 @@ with OUTDIR, writes ``<date>_<gpu>_decode_attention_probe.json`` there.
 """
 
 import argparse
-import statistics
 
 import torch
 
 from piecegraph.attention.backends.kv_write import write_kv
+from piecegraph.graphs.capture import graph_ms
 from piecegraph.results.schema import environment, result_name, write_result
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 64, 16, 16
 
 
-def graph_us(fn, replays=200):
-    """Median µs of one replay of ``fn`` captured in a CUDA graph (after warm-up runs on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays // 20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays // 20))
-    return statistics.median(times)
+def graph_us(fn):
+    """Median µs of one replay of ``fn`` captured alone in a CUDA graph (:func:`graph_ms`, 20 replays)."""
+    return graph_ms(fn, (), repeats=20) * 1e3
 
 
 def attention_rows(batch, context):
@@ -81,9 +63,10 @@ def kv_write_rows(batch):
         for cache in kcs:
             cache[slots] = k
 
+    compiled = torch.compile(index_put, fullgraph=True)
     variants = {
         "two index_copy_": lambda: [c.index_copy_(0, slots, k) for c in caches],
-        "inductor index_put": lambda: torch.compile(index_put, fullgraph=True)(caches, k, slots),
+        "inductor index_put": lambda: compiled(caches, k, slots),
         "write_kv": lambda: [write_kv(k, k, caches[2 * i], caches[2 * i + 1], slots) for i in range(LAYERS)],
     }
     return [dict(batch=batch, what=f"kv write: {name}", us_16_layers=round(graph_us(fn), 1))

@@ -35,6 +35,7 @@ from torch import nn
 
 from piecegraph.models.fp8 import E4M3_MAX, FP8, quantize_rows
 from piecegraph.ops.opaque import opaque
+from piecegraph.ops.triton_support import triton_available
 
 DEFAULT_MAX_TOKENS = 2048  # the engine's default max_num_batched_tokens
 Timer = Callable[[str, int, Callable[[], Any]], float]  # (path "fp8" | "dense", tokens, run one layer) -> us
@@ -110,15 +111,6 @@ def _triton_kernels():
     return quantize_rows_kernel, swiglu_quantize_kernel
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _launch(kernel: Any, src: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     import triton
 
@@ -134,7 +126,7 @@ def _launch(kernel: Any, src: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~piecegraph.models.fp8.quantize_rows` of ``x [rows, K]`` (row-major), in one Triton kernel on CUDA."""
-    if x.device.type == "cuda" and _triton_available() and x.stride(-1) == 1:
+    if x.device.type == "cuda" and triton_available() and x.stride(-1) == 1:
         return _launch(_triton_kernels()[0], x, x.shape[1])
     return quantize_rows(x)
 
@@ -142,7 +134,7 @@ def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def swiglu_quantize(gate_up: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(silu(gate) * up)`` in float32 for ``gate_up [rows, 2 * width]`` (gate columns first), in
     one Triton kernel on CUDA."""
-    if gate_up.device.type == "cuda" and _triton_available() and gate_up.stride(-1) == 1:
+    if gate_up.device.type == "cuda" and triton_available() and gate_up.stride(-1) == 1:
         return _launch(_triton_kernels()[1], gate_up, width)
     g = gate_up[:, :width].float()
     return quantize_rows(nn.functional.silu(g) * gate_up[:, width:].float())

@@ -23,6 +23,7 @@ from torch import nn
 
 from piecegraph.models import fp8_grouped
 from piecegraph.models.fp8 import KERNELS, FP8Linear, fp8_kernels_run, quantize_rows, quantize_tensor
+from piecegraph.models.fuse import FUSED_GROUPS
 from piecegraph.models.moe import Experts, grouped_mm_runs
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's advice for SegmentGEMMWrapper
@@ -166,7 +167,7 @@ class FP8Experts(nn.Module):
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
               "gate_up_proj")
 # fuse_projections' fused linears: the parent's attribute holding their parts' sizes (rows)
-_FUSED_SIZES = {"qkv_proj": "qkv_sizes", "gate_up_proj": "gate_up_sizes"}
+_FUSED_SIZES = {fused_name: sizes_name for _, _, fused_name, sizes_name, _ in FUSED_GROUPS}
 
 
 def _fp8_linear(parent: nn.Module, name: str, linear: nn.Linear, kernel: str) -> FP8Linear:

@@ -34,6 +34,7 @@ from torch import nn
 
 from piecegraph.attention.op import LIBRARY
 from piecegraph.graphs.capture import graph_ms
+from piecegraph.ops.triton_support import next_power_of_two, triton_available
 
 MAX_ROWS = 16  # the kernel's row tile: at most this many rows take the measured choice
 KERNELS = ("auto", "cublas", "triton")
@@ -119,19 +120,9 @@ def _kernels() -> tuple[Any, Any]:
     return even_k(small_linear_kernel), tuned(even_k(small_linear_kernel))
 
 
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton imports here (it is optional: CPU installs have none)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def row_bucket(rows: int) -> int:
     """The kernel's row tile for ``rows`` (1..MAX_ROWS): the next power of two."""
-    return 1 << max(rows - 1, 0).bit_length()
+    return next_power_of_two(rows)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -178,3 +178,21 @@ def test_fused_bf16_and_flashinfer_fp8_decoders_match_unfused_ones_on_the_gpu():
     quantize_fp8(plain, "flashinfer"), quantize_fp8(fused, "flashinfer")
     assert fused.model.layers[0].self_attn.qkv_proj.kernel == "flashinfer"
     assert _rel(_run(fused, config, **options), _run(plain, config, **options)) < 2**-7
+
+
+def test_shard_for_tp_refuses_a_model_already_optimized():
+    """Tensor parallel shards the unfused projections: a fused model, or one on small-batch linears, handed to
+    ``shard_for_tp`` is refused naming the fix, never sharded along the wrong rows."""
+    from types import SimpleNamespace
+
+    from piecegraph.cli_common import shard_for_tp
+    from piecegraph.models.gemv import use_small_batch_kernels
+
+    ranks = SimpleNamespace(solo=False)
+    fused = fuse_projections(Decoder.random(TINY, seed=0))
+    small = use_small_batch_kernels(Decoder.random(TINY, seed=0), require_cuda_half=False)
+    for net in (fused, small):
+        with pytest.raises(ValueError, match=r"optimize=run\.solo"):
+            shard_for_tp(net, ranks)
+    plain = Decoder.random(TINY, seed=0)
+    assert shard_for_tp(plain, SimpleNamespace(solo=True)) is plain  # solo: nothing to shard

@@ -115,3 +115,12 @@ def test_a_kernel_that_does_not_build_falls_back_to_index_copy_with_a_warning(mo
         writer(k, v, *caches, slots)
     writer(k, v, *caches, slots)  # remembered: no second attempt, no second warning
     assert all(torch.equal(a, b) for a, b in zip(caches, want)) and len(writer.failed) == 1
+
+
+def test_keys_of_another_width_than_the_cache_are_an_error_not_a_write():
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    caches = [torch.zeros(16, 2, 4), torch.zeros(16, 2, 8)]  # the key cache is 4 wide, the keys 8
+    assert not kv_write.fused_write_runs(k, v, *caches)
+    with pytest.raises(RuntimeError):
+        kv_write.write_kv(k, v, *caches, torch.tensor([1, 2]))
+    assert not caches[0].any() and not caches[1].any()  # nothing written

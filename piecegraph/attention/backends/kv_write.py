@@ -16,6 +16,8 @@ import warnings
 
 import torch
 
+from piecegraph.ops.triton_support import next_power_of_two, triton_available
+
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
@@ -52,11 +54,7 @@ def fused_write_runs(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
         return False
     if k_cache.shape[1:] != k.shape[1:] or v_cache.shape[1:] != v.shape[1:]:
         return False  # index_copy_ says what is wrong
-    try:
-        _kernel()
-    except ImportError:
-        return False
-    return True
+    return triton_available()
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,7 +68,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if fused and fused_write_runs(k, v, k_cache, v_cache):
         k_width, v_width = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
         _kernel()[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), K_WIDTH=k_width,
-                                 V_WIDTH=v_width, BLOCK_K=_pow2(k_width), BLOCK_V=_pow2(v_width))
+                                 V_WIDTH=v_width, BLOCK_K=next_power_of_two(k_width),
+                                 BLOCK_V=next_power_of_two(v_width))
         return
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
@@ -110,6 +109,3 @@ class KVWriter:
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
