@@ -32,6 +32,10 @@ class Row:
     ms: float | None = None
     tok_s: float | None = None
     hbm_frac: float | None = None  # HBM floor (weights + KV bytes / peak bandwidth) over measured ms
+    # decode only: ms per step of calls back to back, no sync between (the overlapped engine's decode loop: the
+    # slower of host and device per step), and the same HBM floor over it; None on prefill and older results
+    loop_ms: float | None = None
+    loop_hbm_frac: float | None = None
     setup_s: float | None = None  # the mode's compile + capture (all bench sizes), the same on each of its rows
     pool_mib: float | None = None  # CUDA graph pool of the mode after every size was captured
     rel_err: float | None = None  # ||out - eager|| / ||eager|| on the same inputs and cache
@@ -46,10 +50,11 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         key = "batch" if self.phase == "decode" else "tokens"
         out: dict[str, Any] = {"mode": self.mode, "phase": self.phase, key: self.size}
-        for name in ("ms", "tok_s", "hbm_frac", "setup_s", "pool_mib", "rel_err", "rel_err_float", "seqs",
-                     "skipped", "note", "quant"):
+        optional = ("loop_ms", "loop_hbm_frac", "rel_err_float", "seqs", "skipped", "note", "quant")
+        for name in ("ms", "tok_s", "hbm_frac", "loop_ms", "loop_hbm_frac", "setup_s", "pool_mib", "rel_err",
+                     "rel_err_float", "seqs", "skipped", "note", "quant"):
             value = getattr(self, name)
-            if name in ("rel_err_float", "seqs", "skipped", "note", "quant") and value is None:
+            if name in optional and value is None:
                 continue  # optional keys appear only when they say something
             out[name] = value
         return out

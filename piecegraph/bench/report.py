@@ -10,7 +10,8 @@ readers of committed results) with ``benchmark`` ``"bench"``::
      "env": {<the schema's keys>, "attention_option", "cuda", "python", "piecegraph", "model_config",
              "bandwidth_gbs", "context", "repeats", "batches", "prefill", "modes", "inductor_graph_partition",
              "tp_backend", "partial"?},
-     "rows": [{"mode", "phase", "batch" | "tokens", "ms", "tok_s", "hbm_frac", "setup_s", "pool_mib",
+     "rows": [{"mode", "phase", "batch" | "tokens", "ms", "tok_s", "hbm_frac", "loop_ms"?, "loop_hbm_frac"?
+               (decode: calls back to back, the overlapped engine's pace), "setup_s", "pool_mib",
                "rel_err", "rel_err_float"? (--quant: against the unquantized weights), "seqs"?, "skipped"?,
                "note"?, "quant"? (a run of several --quant values)},
               {"key": "accuracy", "phase": "accuracy", "quant", "against", "tokens", "logits_rel_err",
@@ -51,12 +52,15 @@ def mode_label(row: dict[str, Any]) -> str:
 
 
 def rich_table(rows: Sequence[Row], title: str) -> Table:
-    """Every row, grouped by phase and size, with the speed-up over eager and the skip reasons."""
+    """Every row, grouped by phase and size, with the speed-up over eager and the skip reasons; where decode rows
+    have ``loop_ms``, its columns (``loop ms``, ``loop HBM``) follow ``HBM floor``."""
     table = Table(title=title)
     floats = any(r.rel_err_float is not None for r in rows)  # a quantized model: also against its float weights
     quants = any(r.quant is not None for r in rows)  # a run of several --quant values: which one each row is
+    loops = any(r.loop_ms is not None for r in rows)  # decode steps back to back (older results have none)
     for col in ("phase", "size", "mode", *(("quant",) if quants else ()), "ms", "tok/s", "x eager", "HBM floor",
-                "rel err", *(("vs unquantized",) if floats else ()), "setup s", "pool MiB"):
+                *(("loop ms", "loop HBM") if loops else ()), "rel err", *(("vs unquantized",) if floats else ()),
+                "setup s", "pool MiB"):
         table.add_column(col, justify="left" if col in ("phase", "mode", "quant") else "right")
     table.add_column("note", justify="left", overflow="fold", max_width=48)
     eager = _eager_ms(rows)
@@ -64,7 +68,9 @@ def rich_table(rows: Sequence[Row], title: str) -> Table:
         base = eager.get((r.phase, r.size, r.quant))
         ratio = f"{base / r.ms:.1f}" if base and r.ms else "-"
         table.add_row(r.phase, str(r.size), r.mode, *((r.quant or "",) if quants else ()), _fmt(r.ms, ".3f"),
-                      _fmt(r.tok_s, ",.0f"), ratio, _fmt(r.hbm_frac, ".1%"), _fmt(r.rel_err, ".1e"),
+                      _fmt(r.tok_s, ",.0f"), ratio, _fmt(r.hbm_frac, ".1%"),
+                      *((_fmt(r.loop_ms, ".3f"), _fmt(r.loop_hbm_frac, ".1%")) if loops else ()),
+                      _fmt(r.rel_err, ".1e"),
                       *((_fmt(r.rel_err_float, ".1e"),) if floats else ()), _fmt(r.setup_s, ".1f"),
                       _fmt(r.pool_mib, ".0f"), r.skipped or r.note or "")
     return table
@@ -84,7 +90,8 @@ def payload(env: dict[str, Any], rows: Sequence[Row], modes: dict[str, Any],
 
 
 def compact(data: dict[str, Any]) -> str:
-    """A plain-text pivot of a JSON payload: one line per (phase, size), one column of ms per mode.
+    """A plain-text pivot of a JSON payload: one line per (phase, size), one column of ms per mode, then one line
+    of ``loop_ms`` per decode batch where the rows have it.
 
     Plain text on purpose: it goes into logs and closing notes, where a rich table's box drawing gets mangled.
     """
@@ -106,6 +113,7 @@ def compact(data: dict[str, Any]) -> str:
             r = cell.get((phase, size, m), {})
             values.append("skip" if r.get("skipped") or r.get("ms") is None else f"{r['ms']:.3f}")
         lines.append(f"{phase:8s}{size:>6d}" + "".join(f"{v:>{width}s}" for v in values))
+    lines += _loop_lines(cell, [size for phase, size in keys if phase == "decode"], modes, width)
     facts = data.get("setup", {})
     for label, key, spec in (("setup s", "setup_s", ".1f"), ("pool MiB", "pool_mib", ".0f")):
         lines.append(f"{label:14s}" + "".join(f"{_fmt(facts.get(m, {}).get(key), spec):>{width}s}" for m in modes))
@@ -123,6 +131,19 @@ def compact(data: dict[str, Any]) -> str:
         lines.append(f"profile {profile.get('mode')} batch {profile.get('batch')}: "
                      f"{profile.get('verdict') or profile.get('skipped')}")
     return "\n".join(lines)
+
+
+def _loop_lines(cell: dict[tuple[str, int, str], dict[str, Any]], sizes: Sequence[int], modes: Sequence[str],
+                width: int) -> list[str]:
+    """:func:`compact`'s decode ``loop_ms`` lines, one per batch that has any (none for older results)."""
+    sizes = [s for s in sizes if any(cell.get(("decode", s, m), {}).get("loop_ms") is not None for m in modes)]
+    if not sizes:
+        return []
+    lines = ["decode loop ms per step (calls back to back, no sync: the overlapped engine's pace)"]
+    for size in sizes:
+        values = [_fmt(cell.get(("decode", size, m), {}).get("loop_ms"), ".3f") for m in modes]
+        lines.append(f"{'loop':8s}{size:>6d}" + "".join(f"{v:>{width}s}" for v in values))
+    return lines
 
 
 def result_stem(data: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from piecegraph.models.fp8 import E4M3_MAX, FP8, quantize_rows
+from piecegraph.models.fp8_grouped_triton import grouped_fp8_gemm
 from piecegraph.ops.opaque import opaque
 from piecegraph.ops.triton_support import triton_available
 
@@ -43,13 +44,16 @@ Timer = Callable[[str, int, Callable[[], Any]], float]  # (path "fp8" | "dense",
 
 @dataclass(frozen=True)
 class Pick:
-    """One row of the choice table: at ``tokens`` tokens the layer runs ``kernel`` (``"fp8"`` or ``"dense"``);
-    ``fp8_us`` / ``dense_us`` are the two measured medians in microseconds (``None``: not measured)."""
+    """One row of the choice table: at ``tokens`` tokens the layer runs ``kernel``: ``"fp8"`` (the e4m3 experts
+    on ``torch._scaled_grouped_mm``), ``"fp8-triton"`` (on :mod:`~piecegraph.models.fp8_grouped_triton`'s kernel)
+    or ``"dense"`` (the model-dtype experts); ``fp8_us`` / ``triton_us`` / ``dense_us`` are the measured medians
+    in microseconds (``None``: not measured)."""
 
     tokens: int
     kernel: str
     fp8_us: float | None = None
     dense_us: float | None = None
+    triton_us: float | None = None
 
 
 def quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +74,15 @@ def token_sizes(max_tokens: int) -> list[int]:
 
 def picks_fp8(tokens: int, sizes: list[int], use_fp8: list[bool]) -> bool:
     """The choice for ``tokens``: that of the smallest measured size ``>= tokens``, else of the largest."""
-    for size, fp8 in zip(sizes, use_fp8):
+    return use_fp8[_size_index(tokens, sizes)]
+
+
+def _size_index(tokens: int, sizes: list[int]) -> int:
+    """The index of the smallest measured size ``>= tokens``, else of the largest."""
+    for i, size in enumerate(sizes):
         if size >= tokens:
-            return fp8
-    return use_fp8[-1]
+            return i
+    return len(sizes) - 1
 
 
 # ------------------------------------------------------------------------------------------------- CUDA kernels
@@ -142,19 +151,22 @@ def swiglu_quantize(gate_up: torch.Tensor, width: int) -> tuple[torch.Tensor, to
 
 # ---------------------------------------------------------------------------------------------------- the paths
 def _fp8_gemm(q: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor,
-              expert: torch.Tensor, native: bool) -> torch.Tensor:
-    """Sorted rows ``q [M, K]`` (per-row ``scale``) times their expert's ``w [E, N, K]`` (``w_scale [E, N]``)."""
+              expert: torch.Tensor, native: bool, triton: bool = False) -> torch.Tensor:
+    """Sorted rows ``q [M, K]`` (per-row ``scale``) times their expert's ``w [E, N, K]`` (``w_scale [E, N]``):
+    on the Triton kernel (``triton``), ``torch._scaled_grouped_mm`` (``native``) or in float32."""
+    if triton:
+        return grouped_fp8_gemm(q, scale, w, w_scale, ends)
     if native:
         return torch._scaled_grouped_mm(q, w.transpose(1, 2), scale, w_scale, offs=ends, out_dtype=torch.bfloat16)
     y = torch.bmm(w.index_select(0, expert).float(), q.float().unsqueeze(-1)).squeeze(-1)
     return y * (scale.unsqueeze(-1) * w_scale.index_select(0, expert))
 
 
-def _fp8_mlp(xs, ends, expert, gate_up, gate_up_scale, down, down_scale, width, native):
+def _fp8_mlp(xs, ends, expert, gate_up, gate_up_scale, down, down_scale, width, native, triton=False):
     q, scale = quantize_input(xs)
-    gu = _fp8_gemm(q, scale, gate_up, gate_up_scale, ends, expert, native)
+    gu = _fp8_gemm(q, scale, gate_up, gate_up_scale, ends, expert, native, triton)
     q, scale = swiglu_quantize(gu, width)
-    return _fp8_gemm(q, scale, down, down_scale, ends, expert, native).to(xs.dtype)
+    return _fp8_gemm(q, scale, down, down_scale, ends, expert, native, triton).to(xs.dtype)
 
 
 def _dense_mlp(xs, ends, expert, gate_up, down, width, grouped):
@@ -171,15 +183,18 @@ def _dense_mlp(xs, ends, expert, gate_up, down, width, grouped):
 def grouped_experts(xs: torch.Tensor, ends: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor,
                     gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
                     gate_up_dense: Optional[torch.Tensor], down_dense: Optional[torch.Tensor], width: int,
-                    top_k: int, sizes: list[int], use_fp8: list[bool], native: bool, grouped: bool) -> torch.Tensor:
+                    top_k: int, sizes: list[int], use_fp8: list[bool], use_triton: list[bool], native: bool,
+                    grouped: bool) -> torch.Tensor:
     """The experts' SwiGLU on rows sorted by expert: ``xs [M, H]`` (``M = T * top_k``), ``ends`` int32 group ends,
     ``expert [M]`` each row's expert. FP8 (``gate_up``/``down`` e4m3 ``[E, N, K]``, scales ``[E, N]``) when
-    :func:`picks_fp8` says so for ``T``, else the model-dtype weights (``gate_up_dense``/``down_dense``, which must
-    then be given). ``native``: ``torch._scaled_grouped_mm`` (else its float32 product); ``grouped``:
+    :func:`picks_fp8` says so for ``T`` (on the Triton kernel where ``use_triton`` says so for ``T``), else the
+    model-dtype weights (``gate_up_dense``/``down_dense``, which must then be given). ``native``:
+    ``torch._scaled_grouped_mm`` (else its float32 product); ``grouped``:
     ``torch._grouped_mm`` for the dense path (else a gather). Returns a new ``[M, H]`` tensor in ``xs``' dtype.
     One opaque op: ``T`` is read here, eagerly, where it is a number."""
-    if picks_fp8(xs.shape[0] // top_k, sizes, use_fp8):
-        return _fp8_mlp(xs, ends, expert, gate_up, gate_up_scale, down, down_scale, width, native)
+    pick = _size_index(xs.shape[0] // top_k, sizes)
+    if use_fp8[pick]:
+        return _fp8_mlp(xs, ends, expert, gate_up, gate_up_scale, down, down_scale, width, native, use_triton[pick])
     if gate_up_dense is None or down_dense is None:
         raise RuntimeError(f"the choice table picks the dense experts at {xs.shape[0] // top_k} tokens, but their "
                            "weights were dropped; build FP8Experts again (kernel='scaled_grouped_mm')")
@@ -218,29 +233,34 @@ def cuda_graph_us(path: str, tokens: int, run: Callable[[], Any], repeats: int =
 _TABLES: dict[tuple, tuple[Pick, ...]] = {}  # (shape, device, max_tokens, timer) -> table: one per model shape
 
 
-def measure_table(layer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[bool]], torch.Tensor],
-                  key: tuple, *, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype,
-                  device: torch.device, max_tokens: int, timer: Timer | None) -> tuple[Pick, ...]:
+def measure_table(layer: Callable[..., torch.Tensor], key: tuple, *, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, device: torch.device, max_tokens: int, timer: Timer | None,
+                  triton: bool = False) -> tuple[Pick, ...]:
     """The choice table of a layer shape: for each of :func:`token_sizes`, ``timer(path, tokens, run)`` of the
-    whole layer on random inputs forced to FP8 and to the dense path (``layer(x, ids, weights, sizes, use_fp8)``);
-    FP8 where strictly faster. Cached under ``key`` (every layer of a model shares it). ``timer`` None: nothing is
-    measured and every size picks FP8 (the times stay ``None``)."""
-    cache_key = (*key, str(device), max_tokens, timer)
+    whole layer on random inputs forced to each path (``layer(x, ids, weights, sizes, use_fp8, use_triton)``):
+    ``"fp8"``, ``"dense"`` and, with ``triton``, ``"fp8-triton"``; the fastest wins, a tie going to the dense path
+    and then to ``torch._scaled_grouped_mm``. Cached under ``key`` (every layer of a model shares it). ``timer``
+    None: nothing is measured and every size picks ``"fp8"`` (the times stay ``None``)."""
+    cache_key = (*key, str(device), max_tokens, timer, triton)
     if cache_key in _TABLES:
         return _TABLES[cache_key]
     sizes = token_sizes(max_tokens)
     if timer is None:
         return _TABLES.setdefault(cache_key, tuple(Pick(n, "fp8") for n in sizes))
     gen = torch.Generator(device=device).manual_seed(0)
+    paths = {"dense": ([False], [False]), "fp8": ([True], [False]), **({"fp8-triton": ([True], [True])}
+                                                                      if triton else {})}
     picks = []
     for n in sizes:
         x = torch.randn(n, hidden, generator=gen, device=device).to(dtype)
         ids = torch.rand(n, num_experts, generator=gen, device=device).topk(top_k, dim=-1).indices
         weights = torch.softmax(torch.randn(n, top_k, generator=gen, device=device), -1).to(dtype)
         with torch.no_grad():
-            fp8 = timer("fp8", n, functools.partial(layer, x, ids, weights, [1], [True]))
-            dense = timer("dense", n, functools.partial(layer, x, ids, weights, [1], [False]))
-        picks.append(Pick(n, "fp8" if fp8 < dense else "dense", round(fp8, 2), round(dense, 2)))
+            us = {path: timer(path, n, functools.partial(layer, x, ids, weights, [1], *flags))
+                  for path, flags in paths.items()}
+        best = min(us, key=us.get)  # dict order breaks ties: dense, then fp8
+        picks.append(Pick(n, best, round(us["fp8"], 2), round(us["dense"], 2),
+                          round(us["fp8-triton"], 2) if triton else None))
     return _TABLES.setdefault(cache_key, tuple(picks))
 
 
@@ -262,6 +282,26 @@ def native_failure(device: str) -> str | None:
         return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     rel = ((got - want).norm() / want.norm()).item()
     return None if rel < 2**-5 else f"relative error {rel:.3g} against the float32 product (limit 2^-5)"
+
+
+@functools.cache
+def triton_gemm_failure(device: str) -> str | None:
+    """Why the Triton FP8 GEMM is not measured on ``device``: no Triton, not CUDA, or its product of a small
+    ragged case (an empty group) off the float32 one by more than e4m3 and bf16 rounding; ``None`` when it runs."""
+    if not device.startswith("cuda") or not triton_available():
+        return "needs Triton on a CUDA device"
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, scale = quantize_rows(torch.randn(21, 48, device=device, generator=gen))
+    w, w_scale = quantize_channels(torch.randn(3, 64, 48, device=device, generator=gen))
+    expert = torch.tensor([0] * 5 + [2] * 16, device=device)
+    ends = torch.tensor([5, 5, 21], dtype=torch.int32, device=device)
+    try:
+        got = grouped_fp8_gemm(q, scale, w, w_scale, ends).float()
+    except Exception as exc:  # noqa: BLE001  (a Triton that cannot build here: not measured)
+        return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    want = _fp8_gemm(q, scale, w, w_scale, ends, expert, native=False)
+    rel = ((got - want).norm() / want.norm()).item()
+    return None if rel < 2**-7 else f"relative error {rel:.3g} against the float32 product (limit 2^-7)"
 
 
 def scaled_grouped_mm_runs(device: torch.device | str) -> bool:

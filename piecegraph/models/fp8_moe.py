@@ -87,10 +87,13 @@ class FP8Experts(nn.Module):
         if timer is None and self.native:
             timer = fp8_grouped.cuda_graph_us
         key = ("experts", e, n2 // 2, h, top_k, self.dtype)  # what the layer's time depends on
+        triton = self.native and fp8_grouped.triton_gemm_failure(str(self.gate_up.device)) is None
         self.table = fp8_grouped.measure_table(self._run, key, hidden=h, num_experts=e, top_k=top_k,
-                                               dtype=self.dtype, device=device, max_tokens=max_tokens, timer=timer)
+                                               dtype=self.dtype, device=device, max_tokens=max_tokens, timer=timer,
+                                               triton=triton)
         self.sizes = [p.tokens for p in self.table]
-        self.use_fp8 = [p.kernel == "fp8" for p in self.table]
+        self.use_fp8 = [p.kernel != "dense" for p in self.table]
+        self.use_triton = [p.kernel == "fp8-triton" for p in self.table]
         if all(self.use_fp8):  # the dense weights are never read: not kept
             self.gate_up_dense = self.down_dense = None
 
@@ -104,10 +107,12 @@ class FP8Experts(nn.Module):
         return self
 
     def kernel_table(self) -> list[dict[str, Any]]:
-        """The per-token-count choice of ``"scaled_grouped_mm"``: ``[{"tokens", "kernel" ("fp8" | "dense"),
-        "fp8_us", "dense_us"}]`` (times ``None`` where not measured); empty for the other kernels."""
+        """The per-token-count choice of ``"scaled_grouped_mm"``: ``[{"tokens", "kernel" ("fp8" | "fp8-triton" |
+        "dense"), "fp8_us", "dense_us", "triton_us"}]`` (times ``None`` where not measured); empty for the other
+        kernels."""
         table = getattr(self, "table", ())
-        return [{"tokens": p.tokens, "kernel": p.kernel, "fp8_us": p.fp8_us, "dense_us": p.dense_us} for p in table]
+        return [{"tokens": p.tokens, "kernel": p.kernel, "fp8_us": p.fp8_us, "dense_us": p.dense_us,
+                 "triton_us": p.triton_us} for p in table]
 
     def _grouped(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, expert: torch.Tensor,
                  indptr: torch.Tensor) -> torch.Tensor:
@@ -120,8 +125,8 @@ class FP8Experts(nn.Module):
         return y.float() * (scale * w_scale.index_select(0, expert)).unsqueeze(-1)
 
     def _run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sizes: list[int],
-             use_fp8: list[bool]) -> torch.Tensor:
-        """``"scaled_grouped_mm"``'s forward with the choice ``(sizes, use_fp8)`` (see
+             use_fp8: list[bool], use_triton: list[bool]) -> torch.Tensor:
+        """``"scaled_grouped_mm"``'s forward with the choice ``(sizes, use_fp8, use_triton)`` (see
         :func:`~piecegraph.models.fp8_grouped.picks_fp8`): sort, gather and combine traced, the experts' SwiGLU
         one opaque op. The combine is :class:`Experts`': each pair's output in ``x``'s dtype, weighted, summed."""
         tokens, k = ids.shape
@@ -131,13 +136,14 @@ class FP8Experts(nn.Module):
         ends = torch.searchsorted(expert, self.expert_ids, right=True).to(torch.int32)
         ys = fp8_grouped.grouped_experts(x.index_select(0, order // k), ends, expert, self.gate_up,
                                          self.gate_up_scale, self.down, self.down_scale, self.gate_up_dense,
-                                         self.down_dense, self.width, k, sizes, use_fp8, self.native, self.grouped)
+                                         self.down_dense, self.width, k, sizes, use_fp8, use_triton, self.native,
+                                         self.grouped)
         y = torch.empty_like(ys).index_copy(0, order, ys)
         return (y.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.kernel == "scaled_grouped_mm":
-            return self._run(x, ids, weights, self.sizes, self.use_fp8)
+            return self._run(x, ids, weights, self.sizes, self.use_fp8, self.use_triton)
         k = ids.shape[1]
         flat = ids.reshape(-1)  # pair p = t * k + j
         order = flat.argsort(stable=True)
@@ -155,8 +161,9 @@ class FP8Experts(nn.Module):
         head = f"experts={self.num_experts}, width={self.width}, kernel={self.kernel}"
         if self.kernel != "scaled_grouped_mm":
             return head + ", e4m3 per-expert weights"
-        rows = ", ".join(f"{p.tokens}: {p.kernel}" + ("" if p.fp8_us is None else
-                                                       f" ({p.fp8_us:g} vs {p.dense_us:g} us)") for p in self.table)
+        rows = ", ".join(f"{p.tokens}: {p.kernel}" + ("" if p.fp8_us is None else f" ({p.fp8_us:g} vs "
+                                                       + ("" if p.triton_us is None else f"{p.triton_us:g} vs ")
+                                                       + f"{p.dense_us:g} us)") for p in self.table)
         dense = "kept" if self.gate_up_dense is not None else "dropped"
         return (f"{head}, e4m3 per-channel weights, {self.dtype} weights {dense}, "
                 f"{'native' if self.native else 'float32'} FP8 GEMM; by tokens: {rows}")

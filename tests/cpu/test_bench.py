@@ -3,6 +3,7 @@ paged-cache cases checked against independent references, ``--attention``, graph
 
 import json
 import sys
+import time
 import types
 
 import pytest
@@ -18,7 +19,7 @@ from piecegraph.bench import sweep
 from piecegraph.bench.cases import capture_inputs, decode_cache, decode_cases, prefill_cases, prefill_lengths
 from piecegraph.bench.harness import Row
 from piecegraph.bench.profile import attention_op_us
-from piecegraph.bench.report import compact, result_stem
+from piecegraph.bench.report import compact, result_stem, rich_table
 from piecegraph.cli import app
 from piecegraph.cli_common import load_model
 from piecegraph.context import forward_context
@@ -63,6 +64,12 @@ def test_smoke_run_writes_json_png_and_profile(tmp_path):
         assert ROW_KEYS <= set(row) and "skipped" not in row
         assert ("batch" in row) == (row["phase"] == "decode") and ("tokens" in row) == (row["phase"] == "prefill")
         assert row["ms"] > 0 and row["tok_s"] > 0 and 0 < row["hbm_frac"] and row["rel_err"] < 1e-5
+        if row["phase"] == "decode":  # the loop's pace beside the synchronized step, over the same HBM floor
+            assert row["loop_ms"] > 0
+            assert row["loop_hbm_frac"] == pytest.approx(row["hbm_frac"] * row["ms"] / row["loop_ms"])
+        else:
+            assert "loop_ms" not in row and "loop_hbm_frac" not in row
+        assert Row.from_json(row).to_json() == row
     prefill_seqs = {r["tokens"]: r["seqs"] for r in data["rows"] if r["phase"] == "prefill"}
     assert prefill_seqs == {t: len(prefill_lengths(t)) for t in (16, 40)}
     assert data["setup"]["none"]["pieces"] == TINY.num_layers + 1  # split at each attention op
@@ -79,6 +86,8 @@ def test_smoke_run_writes_json_png_and_profile(tmp_path):
     text = compact(data)
     assert "prefill" in text and "skip" not in text and f"{env['attention']} attention" in text
     assert "attention op CPU us per call" in text
+    assert [line.split()[:2] for line in text.splitlines() if line.startswith("loop ")] == [["loop", "1"],
+                                                                                          ["loop", "2"]]
 
 
 def test_attention_flag_picks_the_backend_and_the_json_records_it(tmp_path):
@@ -324,6 +333,44 @@ def test_row_json_names_the_size_by_phase():
     prefill = Row("full", "prefill", 64, skipped="why").to_json()
     assert prefill["tokens"] == 64 and prefill["skipped"] == "why" and "batch" not in prefill
     assert "skipped" not in Row("eager", "decode", 1).to_json()
+
+
+def test_time_case_paces_back_to_back_decode_calls_and_leaves_prefill_without(tiny, tiny_facts):
+    """A mode whose calls each take at least 3 ms: the decode loop pace is at least that, over the case's own floor,
+    its calls rotate the inputs; a prefill row runs no loop."""
+    cache = decode_cache(tiny_facts, [2], 4)
+    decode, prefill = decode_cases(tiny_facts, cache, [2], 4) + prefill_cases(tiny_facts, [8])
+    sweep._references(tiny, [decode, prefill])
+    calls = []
+
+    def slow(ids, positions):
+        calls.append(ids)
+        time.sleep(0.003)
+        return tiny(ids, positions)
+
+    prep = bench_modes.Prepared("slow", slow)
+    row, _ = sweep._time_case(prep, decode, repeats=4, bandwidth_gbs=1.0)
+    assert row.ms >= 3 and row.loop_ms >= 3 and row.rel_err < 1e-6
+    assert row.loop_hbm_frac == pytest.approx(decode.floor_bytes / 1e6 / row.loop_ms)  # 1 GB/s: bytes / 1e6 ms
+    assert len(calls) == 1 + (3 + 4) + (2 + 4)  # accuracy, synchronized (warm-up + repeats), loop (the same)
+    assert all(a is decode.ids[i % len(decode.ids)] for i, a in enumerate(calls[-4:]))
+    calls.clear()
+    row, _ = sweep._time_case(prep, prefill, repeats=4, bandwidth_gbs=1.0)
+    assert row.ms >= 3 and row.loop_ms is None and row.loop_hbm_frac is None and len(calls) == 1 + 3 + 4
+
+
+def test_rich_table_shows_loop_columns_only_when_a_row_has_loop_ms():
+    decode = Row("none", "decode", 2, ms=2.0, tok_s=1e3, hbm_frac=0.4, loop_ms=1.6, loop_hbm_frac=0.5)
+    prefill = Row("none", "prefill", 16, ms=3.0, tok_s=5e3, hbm_frac=0.2)
+
+    def headers(rows):
+        return [c.header for c in rich_table(rows, "t").columns]
+
+    with_loop = headers([decode, prefill])
+    assert with_loop[with_loop.index("HBM floor") + 1:][:2] == ["loop ms", "loop HBM"]
+    assert not {"loop ms", "loop HBM"} & set(headers([prefill]))
+    cells = {c.header: list(c.cells) for c in rich_table([decode, prefill], "t").columns}
+    assert cells["loop ms"] == ["1.600", "-"] and cells["loop HBM"] == ["50.0%", "-"]
 
 
 def test_result_stem_names_the_date_gpu_and_attention_backend():

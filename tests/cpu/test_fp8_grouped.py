@@ -118,8 +118,8 @@ def test_each_token_count_gives_exactly_the_chosen_paths_output(pair):
     for n in range(1, MAX_TOKENS + 4):  # beyond the largest measured size: its choice
         x, ids, weights = _inputs(block, n, seed=n)
         got = experts(x, ids, weights)
-        as_fp8 = experts._run(x, ids, weights, [1], [True])
-        as_dense = experts._run(x, ids, weights, [1], [False])
+        as_fp8 = experts._run(x, ids, weights, [1], [True], [False])
+        as_dense = experts._run(x, ids, weights, [1], [False], [False])
         want_dense = min((s for s in token_sizes(MAX_TOKENS) if s >= n), default=MAX_TOKENS) in DENSE_AT
         assert torch.equal(got, as_dense if want_dense else as_fp8), n
         assert not torch.equal(as_fp8, as_dense), n  # the two paths differ: the equality above says which ran

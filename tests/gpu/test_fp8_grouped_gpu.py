@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
                                  reason="torch._scaled_grouped_mm's rowwise FP8 path is sm90 only")]
 
 RESULTS = "fp8_grouped_gpu.json"
-TOKENS = (1, 10, 256, 1024)
+TOKENS = (1, 10, 256, 1024, 2048)
 # (experts, hidden, expert width, top_k): Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B
 SHAPES = {"qwen1.5-moe-a2.7b": (60, 2048, 1408, 4), "qwen3-30b-a3b": (128, 2048, 768, 8)}
 SMALL = (16, 512, 256, 4)
@@ -130,12 +130,15 @@ def test_fp8_gemms_equal_float32_products_of_the_same_e4m3_values(name, tokens):
 
 
 def _check_gemm(q, s, w, ws, ends, expert):
-    """torch._scaled_grouped_mm against the float32 product of the same e4m3 values; returns its output."""
-    got = fp8_grouped._fp8_gemm(q, s, w, ws, ends, expert, native=True)
-    assert got.dtype == torch.bfloat16 and got.shape == (q.shape[0], w.shape[1])
+    """torch._scaled_grouped_mm and the Triton kernel against the float32 product of the same e4m3 values; returns
+    the first's output."""
     a, b = q.float() * s.unsqueeze(-1), w.float() * ws.unsqueeze(-1)
-    _within(got, _per_expert(a, b, expert), 2**-7 * _per_expert(a.abs(), b.abs(), expert))
-    return got
+    want, bound = _per_expert(a, b, expert), 2**-7 * _per_expert(a.abs(), b.abs(), expert)
+    outs = [fp8_grouped._fp8_gemm(q, s, w, ws, ends, expert, native=True, triton=triton) for triton in (False, True)]
+    for got in outs:
+        assert got.dtype == torch.bfloat16 and got.shape == (q.shape[0], w.shape[1])
+        _within(got, want, bound)
+    return outs[0]
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -218,6 +221,8 @@ def test_the_measured_table_per_token_count(name, record_result):
     table = layer.kernel_table()
     assert [r["tokens"] for r in table] == fp8_grouped.token_sizes(fp8_grouped.DEFAULT_MAX_TOKENS)
     assert all(r["fp8_us"] > 0 and r["dense_us"] > 0 for r in table)
+    assert all(r["triton_us"] > 0 for r in table)  # the Triton FP8 GEMM is measured where Triton runs
     for row in table:
         row["fp8_speedup"] = round(row["dense_us"] / row["fp8_us"], 3)
+        row["triton_speedup"] = round(row["dense_us"] / row["triton_us"], 3)
     record_result(RESULTS, f"table_{name}", {"table": table, "dense_kept": layer.gate_up_dense is not None})
