@@ -172,14 +172,15 @@ def test_pad_rows_never_change_real_rows(record_result):
     x, ids, weights = _routed(shape, 10, seed=3)
     equal = {}
     with torch.no_grad():
-        for path in (True, False):
-            got = layer._run(x, ids, weights, [1], [path])
+        for path, flags in {"fp8": ([True], [False]), "fp8-triton": ([True], [True]),
+                            "dense": ([False], [False])}.items():
+            got = layer._run(x, ids, weights, [1], *flags)
             for total in (16, 64):
                 px, pids, pw = _routed(shape, total - 10, seed=total)
                 padded = layer._run(torch.cat([x, px * 40]), torch.cat([ids, pids]), torch.cat([weights, pw]),
-                                    [1], [path])[:10]
+                                    [1], *flags)[:10]
                 torch.testing.assert_close(padded, got, rtol=2**-7, atol=2**-7 * got.abs().max().item())
-                equal[f"{'fp8' if path else 'dense'}_{total}"] = torch.equal(padded, got)
+                equal[f"{path}_{total}"] = torch.equal(padded, got)
     record_result(RESULTS, "pad_rows_bitwise_equal", equal)
 
 
