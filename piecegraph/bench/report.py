@@ -20,7 +20,8 @@ readers of committed results) with ``benchmark`` ``"bench"``::
                "pool_mib", "pieces", "sizes", ...} | {"skipped": reason}},
      "attention_op_us": {"decode_1", "prefill_512", "failed"?: {case: reason}},
      "profile": {...}?,
-     "expert_kernels": {"<quant>": [{"tokens", "kernel", "fp8_us", "dense_us", "triton_us"}]}? (FP8Experts.kernel_table)}
+     "expert_kernels": {"<quant>": [{"tokens", "kernel", "fp8_us", "dense_us", "triton_us"}]}?
+                       (FP8Experts.kernel_table)}
 """
 
 from __future__ import annotations
