@@ -4,7 +4,9 @@
 # world size (the all-reduce's share of it). Result files: <date>_<gpu>_tp<W>_<model>_{bench,serve}.json under OUTDIR.
 # Usage: [TP=2] [TP_MODELS="qwen2.5-0.5b qwen1.5-moe-a2.7b"] scripts/tp_check.sh OUTDIR
 # TP=1 on a single GPU checks the script itself (world size 1 only, the TP tests skip). Also: MODES (bench, default
-# every mode), SERVE_MODES (default serve-bench's modes), CONCURRENCY (default 1,10,256,1024), BATCHES, PREFILL.
+# every mode), SERVE_MODES (default serve-bench's modes), CONCURRENCY (default 1,10,256,1024), BATCHES, PREFILL,
+# CONTEXT (the bench's cached tokens per sequence, default 64: at 256, batch 1024 of the MoE preset needs ~52 GB of KV
+# cache beside its 28 GB of bf16 weights, more than one 80 GB card holds at world size 1).
 set -uo pipefail
 OUT=${1:?usage: scripts/tp_check.sh OUTDIR}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -39,7 +41,7 @@ for model in ${TP_MODELS:-qwen2.5-0.5b qwen1.5-moe-a2.7b}; do
   for tp in $sizes; do
     echo "== $model, world size $tp" | tee -a "$OUT/tp_bench.log" "$OUT/tp_serve.log"
     python3 -m piecegraph.cli bench --model "$model" --tp "$tp" --device cuda --modes "${MODES:-all}" \
-      --batches "${BATCHES:-1,10,256,1024}" --prefill "${PREFILL:-128,2048}" --profile full:1 \
+      --batches "${BATCHES:-1,10,256,1024}" --prefill "${PREFILL:-128,2048}" --context "${CONTEXT:-64}" --profile full:1 \
       --json "$OUT/${PREFIX}_tp${tp}_${model}_bench.json" >>"$OUT/tp_bench.log" 2>&1
     ok $?
     python3 -m piecegraph.cli serve-bench --model "$model" --tp "$tp" --device cuda ${SERVE_MODES:+--modes "$SERVE_MODES"} \
