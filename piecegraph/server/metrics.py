@@ -132,7 +132,7 @@ class Metrics:
                 out.append(f"{name} {gauges[name]}")
             else:
                 rows = [(labels, v) for (n, labels), v in sorted(values.items()) if n == name]
-                out += [f"{name}{_labels(labels)} {v:g}" for labels, v in rows]
+                out += [f"{name}{_labels(labels)} {_number(v)}" for labels, v in rows]
         return "\n".join(out) + "\n"
 
     @staticmethod
@@ -140,6 +140,13 @@ class Metrics:
         if name not in SERIES:
             raise KeyError(f"metric {name!r} is not declared in piecegraph.server.metrics.SERIES")
         return name
+
+
+def _number(value: float) -> str:
+    """A counter's value exactly (what Python reads back as the same float): ``:g`` kept 6 significant digits, so a
+    seconds counter moved in steps of 10 us past 10 s and of whole seconds past a day, and two scrapes' difference
+    (what ``rate()`` and ``serve-bench --url`` compute) carried that error."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:

@@ -262,7 +262,7 @@ def test_an_engine_swaps_its_full_modules_package_in_while_it_serves_and_times_i
     """Auto's decode choice, timed (a stand-in timer; CPU has no graphs to time) against the full graph compiled by
     pieces, replays the piecewise module for every decode size: the full module is never called, yet the idle
     engine (as a server's loop calls it between requests) swaps its package in, times the choice again, and
-    decodes with it, the tokens equal eager's. (Steps look too: tests/cpu/test_serve.py.)"""
+    decodes with it, the tokens equal eager's. (Steps look too: tests/cpu/test_serve_decode_choice.py.)"""
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
     from piecegraph.serve.executor import Executor
 

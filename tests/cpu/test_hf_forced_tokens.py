@@ -100,7 +100,7 @@ def test_serve_forces_the_models_eos_as_transformers(tmp_path):
     """``piecegraph serve FOLDER``'s path: the folder's generation_config forces EOS (Marian: id 0, no EOS id, so
     the text goes on to it), the server's tokenizer reads it, the engine's request puts it last."""
     openai = pytest.importorskip("openai")
-    from test_server_units import _hf_folder
+    from test_server_lifecycle import _hf_folder
 
     from piecegraph.cli_common import load_model
     from piecegraph.serve import Engine, EngineConfig, SamplingParams

@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import Arithmetic
+from serve_helpers import Arithmetic
 
 from piecegraph.models import TINY, Decoder, generate
 from piecegraph.serve import Engine, EngineConfig, SamplingParams, Status

@@ -70,17 +70,17 @@ def test_a_pinned_engine_process_runs_on_its_cpus_and_serves_the_same_tokens():
     from piecegraph.server.tokenizer import ByteTokenizer
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_server import NEW, TOK, _completion, _prompts  # noqa: E402
+    from server_helpers import NEW, TOK, completion, text_prompts  # noqa: E402
 
     mine = os.sched_getaffinity(0)
     engine_cpus = frozenset({max(mine)})
     config = EngineConfig(mode="eager", max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_seq_len=256)
     factory = functools.partial(build_engine, "tiny", "cpu", torch.float32, False, config)
-    prompts = _prompts(3, seed=11)
+    prompts = text_prompts(3, seed=11)
     want = factory().generate([TOK.encode(p) for p in prompts], SamplingParams(max_new_tokens=NEW))
     state = build_process_state(factory, ByteTokenizer, "tiny", max_pending=8, drain_s=5, engine_cpus=engine_cpus)
     with BackgroundServer(state) as server:
         assert os.sched_getaffinity(state.loop._proc.pid) == engine_cpus
-        got = [_completion(server.url, p, True)[1] for p in prompts]
+        got = [completion(server.url, p, True)[1] for p in prompts]
     assert got == want
     assert os.sched_getaffinity(0) == mine  # pinning the engine process leaves this one alone

@@ -1,33 +1,24 @@
-"""The OpenAI-compatible server with the official ``openai`` client on loopback: greedy outputs (completions and
-chat, streaming and not, 32 concurrent clients) equal ``Engine.generate`` of the same prompts token for token;
-every bad input gets its status and names its field; a full queue gives 429 with Retry-After; a client that goes
-away frees its pages; a bounded load loop loses nothing; the engine loop survives all of it."""
+"""The OpenAI-compatible server with the official ``openai`` client on loopback, one auto-mode server shared by
+every test here: greedy outputs (completions and chat, streaming and not, 32 concurrent clients) equal
+``Engine.generate`` of the same prompts token for token, and so do seeded and top-p samples with the same params;
+stop strings and stop token ids; every bad input gets its status and names its field; /v1/models and /metrics
+(the engine loop's time by phase, each first token's time split between the engine and the server); a bounded load
+loop loses nothing; the engine loop survives all of it."""
 
 import asyncio
 import json
-import random
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from server_helpers import MAX_SEQ_LEN, NEW, TOK, completion, httpx, openai_client, text_prompts, wait_all_pages_free
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from piecegraph.models import TINY, Decoder  # noqa: E402
-from piecegraph.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
-from piecegraph.serve.stats import PHASES  # noqa: E402
-from piecegraph.server.run import BackgroundServer, build_state  # noqa: E402
-from piecegraph.server.tokenizer import ByteTokenizer  # noqa: E402
+from piecegraph.models import TINY, Decoder
+from piecegraph.serve import Engine, EngineConfig, SamplingParams
+from piecegraph.serve.stats import PHASES
+from piecegraph.server.run import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-MAX_SEQ_LEN = 128
-NEW = 10
-TOK = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -58,85 +49,23 @@ def server(model):
         yield running
 
 
-class SlowEngine(Engine):
-    """Steps take at least 4 ms (so a client can leave mid-generation), and one step can be told to fail."""
-
-    fail_next = False
-
-    def step(self):
-        time.sleep(0.004)
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("injected engine failure")
-        return super().step()
-
-
-@pytest.fixture(scope="module")
-def small(model):
-    """A server that admits two requests at once, with a slow engine and a tokenizer without a chat template."""
-    config = EngineConfig(mode="eager", max_num_seqs=2, max_num_batched_tokens=64, page_size=8, max_seq_len=256)
-    state = build_state(SlowEngine(model, config), ByteTokenizer(chat_template=False), "tiny", max_pending=2,
-                        drain_s=2)
-    with BackgroundServer(state) as running:
-        yield running
-
-
-def _client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    words = ["piece", "graph", "cuda", "été", "数据", "token", " ", "\n", "λ"]
-    return ["".join(rng.choice(words) for _ in range(rng.randint(1, 8))) for _ in range(n)]
-
-
-def _free(engine):
-    return engine.cache.num_free_pages == engine.cache.num_pages - 1
-
-
-def _wait_free(engine, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not _free(engine) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _free(engine)
-
-
-def _completion(url, prompt, stream):
-    client = _client(url)
-    if not stream:
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0,
-                                      extra_body={"return_token_ids": True})
-        choice = r.choices[0]
-        assert r.usage.completion_tokens == len(choice.token_ids)
-        return choice.text, choice.token_ids, choice.finish_reason
-    text, ids, reason = "", [], None
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, stream=True,
-                                           extra_body={"return_token_ids": True}):
-        for choice in chunk.choices:
-            text += choice.text
-            ids += choice.token_ids
-            reason = choice.finish_reason or reason
-    return text, ids, reason
-
-
 def test_completions_32_concurrent_clients_equal_engine_generate(server, reference):
-    prompts = _prompts(32, seed=1)
+    prompts = text_prompts(32, seed=1)
     ids_prompts = [TOK.encode(p) for p in prompts]
     want = reference(ids_prompts)
     # Half stream, half not; every fourth sends token ids instead of text.
     jobs = [(ids_prompts[i] if i % 4 == 3 else prompts[i], i % 2 == 0) for i in range(32)]
     with ThreadPoolExecutor(32) as pool:
-        got = list(pool.map(lambda job: _completion(server.url, *job), jobs))
+        got = list(pool.map(lambda job: completion(server.url, *job), jobs))
     for i, (text, ids, reason) in enumerate(got):
         assert ids == want[i], (i, jobs[i])
         assert text == TOK.decode(want[i])
         assert reason == "length"
-    assert _wait_free(server.state.loop.engine)
+    assert wait_all_pages_free(server.state.loop.engine)
 
 
 def _chat(url, messages, stream):
-    client = _client(url)
+    client = openai_client(url)
     if not stream:
         r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0, seed=7)
         return r.choices[0].message.content, r.usage.completion_tokens, r.usage.prompt_tokens
@@ -150,7 +79,7 @@ def _chat(url, messages, stream):
 
 
 def test_chat_streaming_and_not_equal_engine_generate(server, reference):
-    conversations = [[{"role": "user", "content": p}] for p in _prompts(8, seed=2)]
+    conversations = [[{"role": "user", "content": p}] for p in text_prompts(8, seed=2)]
     conversations.append([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     # The byte tokenizer's template, written out here independently of its code.
     rendered = ["".join(f"<|{m['role']}|>\n{m['content']}\n" for m in c) + "<|assistant|>\n" for c in conversations]
@@ -169,7 +98,7 @@ def test_stop_strings_and_stop_token_ids(server, reference):
     full = TOK.decode(want)
     stop = full[5:7]
     at = full.find(stop)
-    client = _client(server.url)
+    client = openai_client(server.url)
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert r.choices[0].text == full[:at] and r.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(
@@ -180,7 +109,7 @@ def test_stop_strings_and_stop_token_ids(server, reference):
                                   extra_body={"stop_token_ids": [want[6]], "return_token_ids": True})
     assert r.choices[0].token_ids == want[:cut + 1] and r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == TOK.decode(want[:cut])
-    assert _wait_free(server.state.loop.engine)
+    assert wait_all_pages_free(server.state.loop.engine)
 
 
 BAD = [  # (body, status, the field the message must name)
@@ -207,6 +136,8 @@ BAD = [  # (body, status, the field the message must name)
     ({"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": "tiny", "prompt": [1.5]}, 400, "prompt"),
 ]
+
+
 BAD_CHAT = [
     ({"model": "tiny", "messages": []}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
@@ -235,14 +166,14 @@ def test_engine_loop_survives_bad_inputs_and_unknown_routes(server, reference):
     for body in (b"\xff\xfe", b"null", b'{"model": "tiny", "prompt": {"a": 1}}', b"{" * 10_000):
         assert httpx.post(server.url + "/v1/completions", content=body).status_code == 400
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    text, ids, _ = _completion(server.url, "still alive", stream=False)
+    text, ids, _ = completion(server.url, "still alive", stream=False)
     assert ids == reference([TOK.encode("still alive")])[0]
 
 
 def test_models_and_metrics(server):
-    models = _client(server.url).models.list()
+    models = openai_client(server.url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    _completion(server.url, "metrics", stream=True)
+    completion(server.url, "metrics", stream=True)
     text = httpx.get(server.url + "/metrics").text
     for series in ("piecegraph_requests_total", "piecegraph_prompt_tokens_total", "piecegraph_requests_waiting",
                    "piecegraph_time_to_first_token_seconds_count", "piecegraph_inter_token_latency_seconds_bucket",
@@ -272,6 +203,7 @@ def test_models_and_metrics(server):
     launched = sum(sum(s.phases[:3]) for s in steps)  # measured inside the loop's step() calls
     assert parts["step"] >= launched and parts["publish"] > 0 and parts["idle"] > 0, (parts, launched)
 
+
 def test_metrics_split_each_first_token_between_the_engine_and_the_server(server):
     """Per first token the engine adds its own part of the TTFT (request taken to first token on the host), which
     can only be part of the server's (arrival at the route to first token sent): ``serve-bench --url`` prints
@@ -287,7 +219,7 @@ def test_metrics_split_each_first_token_between_the_engine_and_the_server(server
 
     scraped, before = engine_counters(server.url), sums()
     for i in range(3):
-        _completion(server.url, f"ttft split {i}", stream=True)
+        completion(server.url, f"ttft split {i}", stream=True)
     after, now = engine_counters(server.url), sums()
     engine_s, firsts, server_s, served = (a - b for a, b in zip(now, before))
     assert firsts == served == 3
@@ -295,63 +227,6 @@ def test_metrics_split_each_first_token_between_the_engine_and_the_server(server
     split = engine_share(scraped, after, 1.0)["ttft_mean_ms"]
     assert split["engine"] == pytest.approx(1e3 * engine_s / 3, rel=1e-3, abs=1e-3)
     assert split["server"] == pytest.approx(1e3 * server_s / 3, rel=1e-3, abs=1e-3)
-
-
-def test_full_queue_gets_429_with_retry_after(small):
-    body = {"model": "tiny", "prompt": "hold", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=small.url, timeout=30) as a, httpx.Client(base_url=small.url, timeout=30) as b:
-        with a.stream("POST", "/v1/completions", json=body) as s1, b.stream("POST", "/v1/completions", json=body) as s2:
-            assert s1.status_code == s2.status_code == 200
-            r = httpx.post(small.url + "/v1/completions", json=body)
-            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
-            assert r.json()["error"]["code"] == "queue_full"
-    assert _wait_free(small.state.loop.engine)
-
-
-def test_chat_without_template_is_a_clear_400(small):
-    r = httpx.post(small.url + "/v1/chat/completions",
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    assert "chat template" in r.json()["error"]["message"]
-
-
-def test_client_disconnect_mid_stream_frees_pages(small):
-    engine = small.state.loop.engine
-    aborted = engine.stats()["aborted"]
-    body = {"model": "tiny", "prompt": "leave early", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=small.url, timeout=30) as client:
-        with client.stream("POST", "/v1/completions", json=body) as stream:
-            lines = stream.iter_lines()
-            while not next(lines).startswith("data:"):
-                pass
-            assert not _free(engine)  # it is generating, holding pages
-    assert _wait_free(engine)
-    assert engine.stats()["aborted"] == aborted + 1
-
-
-def test_client_disconnect_while_waiting_non_streaming_frees_pages(small):
-    engine = small.state.loop.engine
-    aborted = engine.stats()["aborted"]
-    body = json.dumps({"model": "tiny", "prompt": "gone", "max_tokens": 200}).encode()
-    with socket.create_connection(("127.0.0.1", small.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 5
-        while _free(engine) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not _free(engine)
-    assert _wait_free(engine)
-    assert engine.stats()["aborted"] == aborted + 1
-
-
-def test_engine_failure_fails_requests_in_flight_not_the_loop(small):
-    engine = small.state.loop.engine
-    engine.fail_next = True
-    r = httpx.post(small.url + "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 5})
-    assert r.status_code == 500 and "injected engine failure" in r.json()["error"]["message"]
-    assert _wait_free(engine)
-    r = httpx.post(small.url + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 5})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
 async def _load(url, prompts, limit_s):
@@ -388,7 +263,7 @@ async def _load(url, prompts, limit_s):
 
 
 def test_bounded_load_loop_loses_no_request(server, reference):
-    prompts = [TOK.encode(p) for p in _prompts(300, seed=4)]
+    prompts = [TOK.encode(p) for p in text_prompts(300, seed=4)]
     want = reference(prompts, max_new=6)
     start = time.monotonic()
     out = asyncio.run(_load(server.url, prompts, limit_s=45))
@@ -399,54 +274,15 @@ def test_bounded_load_loop_loses_no_request(server, reference):
             assert status == 400
         elif status != "left":
             assert status == 200 and ids == want[i], i
-    assert _wait_free(server.state.loop.engine)
+    assert wait_all_pages_free(server.state.loop.engine)
     assert httpx.get(server.url + "/health").status_code == 200
-
-
-def test_engine_in_its_own_process_serves_the_same_tokens_and_frees_pages(reference):
-    """``serve --engine-process`` (the default): the engine built by the CLI's factory in a spawned child."""
-    import functools
-
-    import torch
-
-    from piecegraph.server.command import build_engine
-    from piecegraph.server.run import build_process_state
-
-    config = EngineConfig(mode="eager", max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_seq_len=256)
-    factory = functools.partial(build_engine, "tiny", "cpu", torch.float32, False, config)
-    state = build_process_state(factory, ByteTokenizer, "tiny", max_pending=16, drain_s=5)
-    prompts = _prompts(12, seed=5)
-    preset = Engine(Decoder.random(TINY, seed=0).eval(), EngineConfig(mode="eager", max_num_seqs=16, page_size=8,
-                                                                      max_seq_len=MAX_SEQ_LEN))
-    want = preset.generate([TOK.encode(p) for p in prompts], SamplingParams(max_new_tokens=NEW))
-    with BackgroundServer(state) as server:
-        with ThreadPoolExecutor(12) as pool:
-            got = list(pool.map(lambda i: _completion(server.url, prompts[i], i % 2 == 0), range(12)))
-        assert [ids for _, ids, _ in got] == want
-        body = {"model": "tiny", "prompt": "leave", "max_tokens": 200, "temperature": 0, "stream": True}
-        with httpx.Client(base_url=server.url, timeout=30) as client:
-            with client.stream("POST", "/v1/completions", json=body) as stream:
-                next(line for line in stream.iter_lines() if line.startswith("data:"))
-        deadline = time.monotonic() + 10
-        while state.loop.load()["piecegraph_kv_pages_used"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert state.loop.load()["piecegraph_kv_pages_used"] == 0
-        assert "piecegraph_kv_pages_used 0" in httpx.get(server.url + "/metrics").text
-        state.loop._proc.kill()  # the engine process dies: the server says so instead of hanging
-        deadline = time.monotonic() + 10
-        while state.loop.alive and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert httpx.get(server.url + "/health").status_code == 503
-        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
-        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
-    assert not state.loop.alive
 
 
 def test_seeded_sampling_equals_the_engine_with_the_same_params(server, model):
     engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=4, page_size=8, max_seq_len=MAX_SEQ_LEN))
     prompt = TOK.encode("sample me")
     want = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=5))[0]
-    client = _client(server.url)
+    client = openai_client(server.url)
     for stream in (False, True):
         kwargs = dict(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0.8, seed=5,
                       extra_body={"return_token_ids": True})
@@ -461,8 +297,6 @@ def test_top_p_reaches_the_engine_and_equals_it_with_the_same_params(server, mod
     engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=4, page_size=8, max_seq_len=MAX_SEQ_LEN))
     prompt = TOK.encode("nucleus")
     want = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=9, top_p=0.3))[0]
-    got = _client(server.url).completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=1.0, seed=9,
-                                                 top_p=0.3, extra_body={"return_token_ids": True})
+    got = openai_client(server.url).completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=1.0,
+                                                       seed=9, top_p=0.3, extra_body={"return_token_ids": True})
     assert got.choices[0].token_ids == want
-
-
