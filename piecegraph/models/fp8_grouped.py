@@ -264,24 +264,38 @@ def measure_table(layer: Callable[..., torch.Tensor], key: tuple, *, hidden: int
     return _TABLES.setdefault(cache_key, tuple(picks))
 
 
+def _ragged_groups(device: str) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """What both run-time checks share: a seeded generator and 21 rows over 3 experts (expert 1 gets no row;
+    ragged groups), as each row's expert and the int32 group ends."""
+    expert = torch.tensor([0] * 5 + [2] * 16, device=device)
+    ends = torch.tensor([5, 5, 21], dtype=torch.int32, device=device)
+    return torch.Generator(device=device).manual_seed(0), expert, ends
+
+
+def _mismatch(run: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor], limit_log2: int) -> str | None:
+    """The error ``run`` or ``reference`` raises, or ``run``'s relative distance from ``reference`` when it is not
+    below ``2 ** limit_log2``; ``None`` when it is."""
+    try:
+        got, want = run().float(), reference().float()
+    except Exception as exc:  # noqa: BLE001  (a torch without the kernel, a Triton that cannot build: not chosen)
+        return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    rel = ((got - want).norm() / want.norm()).item()
+    if rel < 2.0**limit_log2:
+        return None
+    return f"relative error {rel:.3g} against the float32 product (limit 2^{limit_log2})"
+
+
 @functools.cache
 def native_failure(device: str) -> str | None:
     """Why the native FP8 path is not used on ``device`` (``"cuda:0"``): the error or the mismatch of the check
     :func:`scaled_grouped_mm_runs` describes, or ``None`` when it passed. Checked once per device."""
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen, expert, ends = _ragged_groups(device)
     e, n, k, width = 3, 64, 48, 32
     xs = torch.randn(21, k, device=device, generator=gen).to(torch.bfloat16)
-    expert = torch.tensor([0] * 5 + [2] * 16, device=device)  # expert 1 gets no row; ragged groups
-    ends = torch.tensor([5, 5, 21], dtype=torch.int32, device=device)
     gate_up, gu_scale = quantize_channels(torch.randn(e, n, k, device=device, generator=gen))
     down, d_scale = quantize_channels(torch.randn(e, k, width, device=device, generator=gen))
-    try:
-        got = _fp8_mlp(xs, ends, expert, gate_up, gu_scale, down, d_scale, width, True).float()
-        want = _fp8_mlp(xs, ends, expert, gate_up, gu_scale, down, d_scale, width, False).float()
-    except Exception as exc:  # noqa: BLE001  (a torch without the kernel, a Triton that cannot build: not chosen)
-        return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-    rel = ((got - want).norm() / want.norm()).item()
-    return None if rel < 2**-5 else f"relative error {rel:.3g} against the float32 product (limit 2^-5)"
+    mlp = functools.partial(_fp8_mlp, xs, ends, expert, gate_up, gu_scale, down, d_scale, width)
+    return _mismatch(lambda: mlp(True), lambda: mlp(False), -5)
 
 
 @functools.cache
@@ -290,18 +304,11 @@ def triton_gemm_failure(device: str) -> str | None:
     ragged case (an empty group) off the float32 one by more than e4m3 and bf16 rounding; ``None`` when it runs."""
     if not device.startswith("cuda") or not triton_available():
         return "needs Triton on a CUDA device"
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen, expert, ends = _ragged_groups(device)
     q, scale = quantize_rows(torch.randn(21, 48, device=device, generator=gen))
     w, w_scale = quantize_channels(torch.randn(3, 64, 48, device=device, generator=gen))
-    expert = torch.tensor([0] * 5 + [2] * 16, device=device)
-    ends = torch.tensor([5, 5, 21], dtype=torch.int32, device=device)
-    try:
-        got = grouped_fp8_gemm(q, scale, w, w_scale, ends).float()
-    except Exception as exc:  # noqa: BLE001  (a Triton that cannot build here: not measured)
-        return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-    want = _fp8_gemm(q, scale, w, w_scale, ends, expert, native=False)
-    rel = ((got - want).norm() / want.norm()).item()
-    return None if rel < 2**-7 else f"relative error {rel:.3g} against the float32 product (limit 2^-7)"
+    return _mismatch(lambda: grouped_fp8_gemm(q, scale, w, w_scale, ends),
+                     lambda: _fp8_gemm(q, scale, w, w_scale, ends, expert, native=False), -7)
 
 
 def scaled_grouped_mm_runs(device: torch.device | str) -> bool:

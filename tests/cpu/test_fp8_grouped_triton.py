@@ -42,3 +42,16 @@ def test_grouped_fp8_gemm_equals_the_float64_product(counts, n, k, bm, seed):
 def test_tile_height_follows_the_rows_per_expert():
     heights = [tile_config(rows, 60)["BM"] for rows in (4, 960, 2880, 8192, 60 * 400)]
     assert heights == [16, 16, 32, 64, 128]
+
+
+def test_the_run_time_checks_say_why_a_kernel_is_not_used():
+    """A path whose check fails is not measured, and the reason names the error or the distance and its limit."""
+    from piecegraph.models import fp8_grouped
+
+    assert fp8_grouped.triton_gemm_failure("cpu") == "needs Triton on a CUDA device"
+    assert fp8_grouped.native_failure("cpu").startswith("NotImplementedError")  # no CPU _scaled_grouped_mm
+    ones = torch.ones(4)
+    assert fp8_grouped._mismatch(lambda: ones, lambda: ones, -7) is None
+    assert fp8_grouped._mismatch(lambda: ones * 1.01, lambda: ones, -7) == (
+        "relative error 0.01 against the float32 product (limit 2^-7)")
+    assert fp8_grouped._mismatch(lambda: ones[:9] @ ones[:3], lambda: ones, -7).startswith("RuntimeError")
