@@ -211,8 +211,9 @@ class _BenchRun:
         if quant == self.quants[0]:
             _check_backend(self.facts, self.backend, net)
             self.op_us = attention_op_us(self.facts, self.backend, self.context)  # before the sweep: kept if cut short
-        if _expert_tables(net):
-            self.extra.setdefault("expert_kernels", {})[quant] = _expert_tables(net)
+        tables = _expert_tables(net)
+        if tables:
+            self.extra.setdefault("expert_kernels", {})[quant] = tables
         # A quantized model alone is also judged against its weights unquantized (seeded: the same random
         # weights); not kept here, so the sweep frees it after its references. With bf16 in the run, the bf16
         # rows and the accuracy row say that instead, and no second model is resident.
