@@ -55,3 +55,17 @@ def test_the_run_time_checks_say_why_a_kernel_is_not_used():
     assert fp8_grouped._mismatch(lambda: ones * 1.01, lambda: ones, -7) == (
         "relative error 0.01 against the float32 product (limit 2^-7)")
     assert fp8_grouped._mismatch(lambda: ones[:9] @ ones[:3], lambda: ones, -7).startswith("RuntimeError")
+
+
+def test_mismatched_operands_are_refused_by_name():
+    """A K that differs, or a weight whose K is not contiguous, is refused before any kernel runs."""
+    import pytest
+
+    q, scale = quantize_rows(torch.randn(4, 16))
+    w, w_scale = quantize_channels(torch.randn(2, 8, 12))
+    ends = torch.tensor([2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="must share K with K contiguous"):
+        grouped_fp8_gemm(q, scale, w, w_scale, ends)
+    w, w_scale = quantize_channels(torch.randn(2, 8, 16))
+    with pytest.raises(ValueError, match="must share K with K contiguous"):
+        grouped_fp8_gemm(q, scale, w.transpose(1, 2).contiguous().transpose(1, 2), w_scale, ends)
