@@ -4,9 +4,11 @@ The engine serves the 0.5B shape (bf16, FlashInfer attention when it imports) in
 
     python scripts/profile_step.py OUTDIR [--what host,cuda-api] [--mode auto]
 
-``host``: cProfile over the engine's steps, two workloads apart: ``c256`` (256 requests of 512 prompt tokens and 32
-new, submitted at once: mixed steps, then decode at batch 256) and ``c1`` (one request, 8 prompt tokens, 128 new:
-decode at batch 1). Per workload the engine's step kinds and phase means (host ms) and the top functions by own
+``host``: cProfile over the engine's steps, three workloads apart: ``c256`` (256 requests of 512 prompt tokens and
+32 new, submitted at once: mixed steps, then decode at batch 256), ``c10`` (serve-bench's c=10 shape: 30 requests
+of 512 prompt tokens and 128 new, at most 10 running, a new one added as one finishes: decode at batch 10, and a
+mixed step of one 512-token prompt beside nine decode rows per arrival) and ``c1`` (one request, 8 prompt tokens,
+128 new: decode at batch 1). Per workload the engine's step kinds and phase means (host ms) and the top functions by own
 and by cumulative time. The profiler's own overhead inflates every number: read the ranking, not the ms.
 
 ``cuda-api``: the ``c256`` workload under ``torch.profiler``, with the engine's overlapped loop and with its
@@ -36,7 +38,8 @@ from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.request import SamplingParams
 
-WORKLOADS = {"c256": (256, 512, 32), "c1": (1, 8, 128)}  # requests, prompt tokens, new tokens
+# requests, prompt tokens, new tokens, running at most (a closed loop: a request added as one finishes)
+WORKLOADS = {"c256": (256, 512, 32, 256), "c10": (30, 512, 128, 10), "c1": (1, 8, 128, 1)}
 RUNTIME_PREFIXES = ("cuda", "cu")  # runtime and driver API events, as torch's profiler names them
 
 
@@ -44,6 +47,19 @@ def _submit(engine: Engine, vocab: int, gen: torch.Generator, count: int, prompt
     for _ in range(count):
         engine.add_request(torch.randint(0, min(1000, vocab), (prompt,), generator=gen).tolist(),
                            SamplingParams(max_new_tokens=new))
+
+
+def _closed_loop(engine: Engine, vocab: int, gen: torch.Generator, count: int, prompt: int, new: int,
+                 running: int) -> None:
+    """Serve ``count`` requests with at most ``running`` in the engine at once, as serve-bench's clients do."""
+    left = count
+    _submit(engine, vocab, gen, min(running, left), prompt, new)
+    left -= min(running, left)
+    while engine.has_work():
+        done = len(engine.step())
+        if done and left:
+            _submit(engine, vocab, gen, min(done, left), prompt, new)
+            left -= min(done, left)
 
 
 def _top(stats: pstats.Stats, key: str, count: int = 45) -> str:
@@ -85,12 +101,11 @@ def host_rows(model: Decoder, mode: str, cuda: bool, vocab: int) -> list[dict]:
     _submit(engine, vocab, gen, 64, 512, 32)
     engine.run()  # warm-up: every path once
     rows = []
-    for name, (count, prompt, new) in WORKLOADS.items():
+    for name, (count, prompt, new, running) in WORKLOADS.items():
         engine.reset_stats()
-        _submit(engine, vocab, gen, count, prompt, new)
         profiler = cProfile.Profile()
         profiler.enable()
-        engine.run()
+        _closed_loop(engine, vocab, gen, count, prompt, new, running)
         profiler.disable()
         stats, summary = pstats.Stats(profiler), engine.stats()
         rows.append({"profile": "host", "workload": name, "requests": count, "prompt": prompt, "new": new,
@@ -108,7 +123,7 @@ def cuda_api_rows(model: Decoder, mode: str, cuda: bool, vocab: int) -> list[dic
 
     rows = []
     gen = torch.Generator().manual_seed(0)
-    count, prompt, new = WORKLOADS["c256"]
+    count, prompt, new, _ = WORKLOADS["c256"]
     for overlap in (True, False):
         engine = _engine(model, mode, cuda, overlap=overlap)
         _submit(engine, vocab, gen, 64, prompt, new)
