@@ -11,13 +11,13 @@ mixed step of one 512-token prompt beside nine decode rows per arrival) and ``c1
 128 new: decode at batch 1). Per workload the engine's step kinds and phase means (host ms) and the top functions by own
 and by cumulative time. The profiler's own overhead inflates every number: read the ranking, not the ms.
 
-``cuda-api``: the ``c256`` workload under ``torch.profiler``, with the engine's overlapped loop and with its
-synchronous one: the CUDA runtime calls by total host time (a call that waits for the device, such as a copy from
+``cuda-api``: the ``c10`` and ``c256`` workloads under ``torch.profiler``, in the engine's overlapped loop: the
+CUDA runtime calls by total host time (a call that waits for the device, such as a copy from
 pageable memory or a stream sync, shows as long) and the longest single calls with the ops that made them. An
 overlapped step's host work must not wait for the step before it, and torch's sync debug mode sees only the syncs
 torch makes, not those inside a kernel library's plan.
 
-Writes one result file under OUTDIR (``<date>_<gpu>_profile_step.json``, one row per workload and loop) and
+Writes one result file under OUTDIR (``<date>_<gpu>_profile_step.json``, one row per workload and profile) and
 prints each row's summary. Without CUDA: a dry run on the tiny shape (graphs emulated), to check the script runs.
 """
 
@@ -123,26 +123,22 @@ def cuda_api_rows(model: Decoder, mode: str, cuda: bool, vocab: int) -> list[dic
 
     rows = []
     gen = torch.Generator().manual_seed(0)
-    count, prompt, new, _ = WORKLOADS["c256"]
-    for overlap in (True, False):
-        engine = _engine(model, mode, cuda, overlap=overlap)
-        _submit(engine, vocab, gen, 64, prompt, new)
-        engine.run()  # warm-up: every path once
+    engine = _engine(model, mode, cuda)
+    _submit(engine, vocab, gen, 64, 512, 32)
+    engine.run()  # warm-up: every path once
+    for name in ("c10", "c256"):
+        count, prompt, new, running = WORKLOADS[name]
         engine.reset_stats()
-        _submit(engine, vocab, gen, count, prompt, new)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            engine.run()
+            _closed_loop(engine, vocab, gen, count, prompt, new, running)
         summary = engine.stats()
-        row = {"profile": "cuda-api", "workload": "c256", "loop": "overlap" if overlap else "sync",
-               "phase_ms": summary.get("phase_ms"), "ms_per_step": summary.get("ms_per_step"),
-               "steps_by_kind": summary.get("by_kind"), **_runtime_calls(prof)}
+        row = {"profile": "cuda-api", "workload": name, "loop": "overlap", "phase_ms": summary.get("phase_ms"),
+               "ms_per_step": summary.get("ms_per_step"), "steps_by_kind": summary.get("by_kind"),
+               **_runtime_calls(prof)}
         rows.append(row)
-        print(f"== cuda-api, {row['loop']}")
+        print(f"== cuda-api, {name}")
         print(json.dumps(row, indent=1, default=str))
-        del engine
-        if cuda:
-            torch.cuda.empty_cache()
     return rows
 
 
