@@ -176,7 +176,8 @@ if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context
   ok "${PIPESTATUS[0]}"
   for context in ${MLA_CONTEXTS:-4096 16384}; do
     for model in glm5-shape glm5-shape-dense; do
-      python3 -m piecegraph.cli bench --model "$model" --device cuda --modes "${MLA_MODES:-full-compiled,auto}" \
+      python3 -m piecegraph.cli bench --model "$model" --device cuda --attention flashinfer \
+        --modes "${MLA_MODES:-full-compiled,auto}" \
         --batches "${BATCHES:-1,10}" --prefill "" --context "$context" --repeats 10 \
         --json "$(name "mla_bench_${model}_ctx${context}")" 2>&1 | tee -a "$OUT/mla_bench.log"
       ok "${PIPESTATUS[0]}"
@@ -184,14 +185,15 @@ if has mla; then  # MLA + DSA: the GPU tests, DSA against dense MLA by context
   done
 fi
 if has mla-serve; then  # the GLM-5 shape served, every mode, four concurrencies
-  python3 -m piecegraph.cli serve-bench --model glm5-shape --device cuda --concurrency "${SERVE_CONC:-1,10,256,1024}" \
+  python3 -m piecegraph.cli serve-bench --model glm5-shape --device cuda --attention flashinfer \
+    --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --input-len 512 --output-len 128 ${MLA_SERVE_ARGS:---interleave} --json "$(name glm5_shape_serve)" 2>&1 \
     | tee "$OUT/mla_serve.log"
   ok "${PIPESTATUS[0]}"
 fi
 if has prefix; then  # prefix caching: a shared-prefix workload with and without the cache (auto, auto-noprefix)
-  python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --workload shared-prefix \
-    --num-prefixes "${PREFIX_COUNT:-4}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
+  python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
+    --workload shared-prefix --num-prefixes "${PREFIX_COUNT:-4}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --json "$(name prefix_serve)" 2>&1 | tee "$OUT/prefix_serve.log"
   ok "${PIPESTATUS[0]}"
 fi
