@@ -6,10 +6,11 @@ The engine serves the 0.5B shape (bf16, FlashInfer attention when it imports) in
 
 ``host``: cProfile over the engine's steps, three workloads apart: ``c256`` (256 requests of 512 prompt tokens and
 32 new, submitted at once: mixed steps, then decode at batch 256), ``c10`` (serve-bench's c=10 shape: 30 requests
-of 512 prompt tokens and 128 new, at most 10 running, a new one added as one finishes: decode at batch 10, and a
-mixed step of one 512-token prompt beside nine decode rows per arrival) and ``c1`` (one request, 8 prompt tokens,
-128 new: decode at batch 1). Per workload the engine's step kinds and phase means (host ms) and the top functions by own
-and by cumulative time. The profiler's own overhead inflates every number: read the ranking, not the ms.
+of ~512 prompt tokens and ~128 new, each within +-25%, at most 10 running, a new one added as one finishes: decode
+at batch 10, and a mixed step of one ~512-token prompt beside nine decode rows per arrival) and ``c1`` (one
+request, 8 prompt tokens, 128 new: decode at batch 1). Per workload the engine's step kinds and phase means (host
+ms) and the top functions by own and by cumulative time. The profiler's own overhead inflates every number: read
+the ranking, not the ms.
 
 ``cuda-api``: the ``c10`` and ``c256`` workloads under ``torch.profiler``, in the engine's overlapped loop: the
 CUDA runtime calls by total host time (a call that waits for the device, such as a copy from
@@ -38,27 +39,35 @@ from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.engine import Engine
 from piecegraph.serve.request import SamplingParams
 
-# requests, prompt tokens, new tokens, running at most (a closed loop: a request added as one finishes)
-WORKLOADS = {"c256": (256, 512, 32, 256), "c10": (30, 512, 128, 10), "c1": (1, 8, 128, 1)}
+# requests, prompt tokens, new tokens, running at most (a closed loop: a request added as one finishes), and the
+# spread of both lengths (0.25: uniform within +-25%, as serve-bench's --range-ratio; without it requests of one
+# length finish in the same step and the next ones arrive together, not one by one)
+WORKLOADS = {"c256": (256, 512, 32, 256, 0.0), "c10": (30, 512, 128, 10, 0.25), "c1": (1, 8, 128, 1, 0.0)}
 RUNTIME_PREFIXES = ("cuda", "cu")  # runtime and driver API events, as torch's profiler names them
 
 
-def _submit(engine: Engine, vocab: int, gen: torch.Generator, count: int, prompt: int, new: int) -> None:
+def _submit(engine: Engine, vocab: int, gen: torch.Generator, count: int, prompt: int, new: int,
+            spread: float = 0.0) -> None:
+    def length(n: int) -> int:  # uniform in [n (1 - spread), n (1 + spread)]
+        low, high = max(1, round(n * (1 - spread))), max(1, round(n * (1 + spread)))
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
     for _ in range(count):
-        engine.add_request(torch.randint(0, min(1000, vocab), (prompt,), generator=gen).tolist(),
-                           SamplingParams(max_new_tokens=new))
+        engine.add_request(torch.randint(0, min(1000, vocab), (length(prompt),), generator=gen).tolist(),
+                           SamplingParams(max_new_tokens=length(new)))
 
 
 def _closed_loop(engine: Engine, vocab: int, gen: torch.Generator, count: int, prompt: int, new: int,
-                 running: int) -> None:
-    """Serve ``count`` requests with at most ``running`` in the engine at once, as serve-bench's clients do."""
+                 running: int, spread: float = 0.0) -> None:
+    """Serve ``count`` requests with at most ``running`` in the engine at once, as serve-bench's clients do;
+    ``spread``: each request's prompt and new-token lengths vary that much around ``prompt`` and ``new``."""
     left = count
-    _submit(engine, vocab, gen, min(running, left), prompt, new)
+    _submit(engine, vocab, gen, min(running, left), prompt, new, spread)
     left -= min(running, left)
     while engine.has_work():
         done = len(engine.step())
         if done and left:
-            _submit(engine, vocab, gen, min(done, left), prompt, new)
+            _submit(engine, vocab, gen, min(done, left), prompt, new, spread)
             left -= min(done, left)
 
 
@@ -101,11 +110,11 @@ def host_rows(model: Decoder, mode: str, cuda: bool, vocab: int) -> list[dict]:
     _submit(engine, vocab, gen, 64, 512, 32)
     engine.run()  # warm-up: every path once
     rows = []
-    for name, (count, prompt, new, running) in WORKLOADS.items():
+    for name, (count, prompt, new, running, spread) in WORKLOADS.items():
         engine.reset_stats()
         profiler = cProfile.Profile()
         profiler.enable()
-        _closed_loop(engine, vocab, gen, count, prompt, new, running)
+        _closed_loop(engine, vocab, gen, count, prompt, new, running, spread)
         profiler.disable()
         stats, summary = pstats.Stats(profiler), engine.stats()
         rows.append({"profile": "host", "workload": name, "requests": count, "prompt": prompt, "new": new,
@@ -127,11 +136,11 @@ def cuda_api_rows(model: Decoder, mode: str, cuda: bool, vocab: int) -> list[dic
     _submit(engine, vocab, gen, 64, 512, 32)
     engine.run()  # warm-up: every path once
     for name in ("c10", "c256"):
-        count, prompt, new, running = WORKLOADS[name]
+        count, prompt, new, running, spread = WORKLOADS[name]
         engine.reset_stats()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            _closed_loop(engine, vocab, gen, count, prompt, new, running)
+            _closed_loop(engine, vocab, gen, count, prompt, new, running, spread)
         summary = engine.stats()
         row = {"profile": "cuda-api", "workload": name, "loop": "overlap", "phase_ms": summary.get("phase_ms"),
                "ms_per_step": summary.get("ms_per_step"), "steps_by_kind": summary.get("by_kind"),

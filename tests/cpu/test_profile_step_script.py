@@ -1,0 +1,53 @@
+"""scripts/profile_step.py's closed loop, the c10 workload's shape: never more requests in the engine than the
+concurrency, every request served to its length, and each arrival's prompt prefilled beside running decode rows."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from piecegraph.models import TINY, Decoder
+from piecegraph.serve.config import EngineConfig
+from piecegraph.serve.engine import Engine
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_closed_loop_keeps_the_concurrency_and_serves_every_request():
+    script = _script()
+    model = Decoder.random(TINY, dtype=torch.float32)
+    engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=16, max_num_batched_tokens=256, page_size=8,
+                                        max_seq_len=64))
+    added, finished, live_at_add = [], [], []
+    add, step = engine.add_request, engine.step
+
+    def counting_add(prompt, params=None, **kw):
+        request = add(prompt, params, **kw)
+        added.append(request)
+        live_at_add.append(len(added) - len(finished))
+        return request
+
+    def counting_step():
+        done = step()
+        finished.extend(done)
+        return done
+
+    engine.add_request, engine.step = counting_add, counting_step
+    script._closed_loop(engine, TINY.vocab_size, torch.Generator().manual_seed(0), count=9, prompt=12, new=8,
+                        running=3, spread=0.25)
+    assert len(added) == 9 and sorted(map(id, finished)) == sorted(map(id, added))
+    assert max(live_at_add) == 3  # filled to the concurrency, never past it
+    assert all(9 <= len(r.prompt) <= 15 and len(r.output) == r.params.max_new_tokens for r in finished)
+    assert all(6 <= r.params.max_new_tokens <= 10 for r in finished)
+    assert len({r.params.max_new_tokens for r in finished}) > 1  # lengths spread, so arrivals are staggered
+    mixed = [s for s in engine.steps if s.prefill_tokens > s.decode_rows > 0]
+    assert mixed, "no arrival was prefilled beside running decode rows"
