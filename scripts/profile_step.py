@@ -100,7 +100,7 @@ def _runtime_calls(prof) -> dict:
 
 
 def _engine(model: Decoder, mode: str, cuda: bool, **options) -> Engine:
-    return Engine(model, EngineConfig(mode=mode, max_num_seqs=256, max_num_batched_tokens=2048, max_seq_len=640,
+    return Engine(model, EngineConfig(mode=mode, max_num_seqs=256, max_num_batched_tokens=2048, max_seq_len=800,
                                       emulate_graphs=not cuda, **options))
 
 
