@@ -3,24 +3,18 @@ logits are the model's (not its hidden states), so at every position of a greedy
 the reference's first choice, and a token the reference ranks second is a small number of bf16 steps away. It reads
 the check's files in the one result schema and refuses a check it cannot rebuild or match."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import torch
+from script_helpers import load_script
 
 from piecegraph.cli_common import load_model
 from piecegraph.models import TINY
 from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "http_tokens.py"
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("http_tokens", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("http_tokens")
 
 
 def test_the_judge_reads_the_models_logits_at_each_divergence():

@@ -3,27 +3,16 @@ concurrency, every request served to its length, and each arrival's prompt prefi
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from script_helpers import load_script
 
 from piecegraph.models import TINY, Decoder
 from piecegraph.serve.config import EngineConfig
 from piecegraph.serve.engine import Engine
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_closed_loop_keeps_the_concurrency_and_serves_every_request():
-    script = _script()
+    script = load_script("profile_step")
     model = Decoder.random(TINY, dtype=torch.float32)
     engine = Engine(model, EngineConfig(mode="eager", max_num_seqs=16, max_num_batched_tokens=256, page_size=8,
                                         max_seq_len=64))
