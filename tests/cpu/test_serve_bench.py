@@ -5,6 +5,7 @@ engine timer, the rows the cache holds), and ``release`` between modes."""
 import json
 
 import pytest
+import serve_helpers
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,6 @@ from typer.testing import CliRunner
 
 from piecegraph.attention.backends.torch_sdpa import TorchBackend
 from piecegraph.cli import app
-from piecegraph.models import TINY, Decoder
 from piecegraph.results import load_result
 from piecegraph.serve import Engine, serve_sizes
 from piecegraph.serve.bench import requests_for
@@ -22,9 +22,7 @@ from piecegraph.serve.report import results_of
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return Decoder.random(TINY, seed=3).eval()
+model = serve_helpers.model  # the module-scoped TINY decoder (seed 3) the serving tests share
 
 
 def test_serve_sizes():

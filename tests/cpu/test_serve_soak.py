@@ -12,8 +12,9 @@ import os
 import random
 
 import pytest
+import serve_helpers
 
-from piecegraph.models import TINY, Decoder, generate
+from piecegraph.models import TINY, generate
 from piecegraph.serve import Engine, EngineConfig, SamplingParams, Status
 
 SOAK_REQUESTS = int(os.environ.get("PIECEGRAPH_SOAK", "2000"))
@@ -30,9 +31,7 @@ NUM_PAGES = 20  # 76 tokens of pages: room for one or two long requests, so runn
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return Decoder.random(TINY, seed=3).eval()
+model = serve_helpers.model  # the module-scoped TINY decoder (seed 3) the serving tests share
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import serve_helpers
 from server_helpers import MAX_SEQ_LEN, NEW, TOK, all_pages_free, completion, httpx, text_prompts, wait_all_pages_free
 
 from piecegraph.models import TINY, Decoder
@@ -20,9 +21,7 @@ from piecegraph.server.tokenizer import ByteTokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return Decoder.random(TINY, seed=3).eval()
+model = serve_helpers.model  # the module-scoped TINY decoder (seed 3) the serving tests share
 
 
 class SlowEngine(Engine):

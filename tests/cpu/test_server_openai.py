@@ -11,9 +11,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import serve_helpers
 from server_helpers import MAX_SEQ_LEN, NEW, TOK, completion, httpx, openai_client, text_prompts, wait_all_pages_free
 
-from piecegraph.models import TINY, Decoder
 from piecegraph.serve import Engine, EngineConfig, SamplingParams
 from piecegraph.serve.stats import PHASES
 from piecegraph.server.run import BackgroundServer, build_state
@@ -21,9 +21,7 @@ from piecegraph.server.run import BackgroundServer, build_state
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return Decoder.random(TINY, seed=3).eval()
+model = serve_helpers.model  # the module-scoped TINY decoder (seed 3) the serving tests share
 
 
 @pytest.fixture(scope="module")
