@@ -10,8 +10,8 @@ float32 (``tl.dot``), then takes each row's activation scale and each output cha
 ``torch._scaled_grouped_mm`` with row-wise scales does.
 
 Why a second kernel: on an H100 ``torch._scaled_grouped_mm`` lost to the bf16 grouped GEMM at 2,048 tokens of a
-Qwen1.5-MoE layer (833 against 799 us) although it won at 1,024 (407 against 583 us); the tile height here follows
-the rows per expert, which is what changes between those counts, and this kernel took 640 us there (whole layer,
+Qwen1.5-MoE layer (844 against 810 us) although it won at 1,024 (412 against 591 us); the tile height here follows
+the rows per expert, which is what changes between those counts, and this kernel took 647 us there (whole layer,
 CUDA graph replays, ``tests/gpu/test_fp8_grouped_gpu.py``'s recorded table). The caller makes every row belong to
 a group (``ends[-1] == M``, as :class:`~piecegraph.models.fp8_moe.FP8Experts` does): rows past it are not written.
 """
