@@ -221,7 +221,7 @@ for kind in engine hf; do
   built=1
 done
 if has profile; then  # where an engine step's host time goes: cProfile, and the CUDA runtime calls that block
-  python3 scripts/profile_step.py "$OUT" --what "${PROFILE_WHAT:-host,cuda-api}" --mode "${PROFILE_MODE:-auto}" 2>&1 \
+  python3 scripts/profile_step.py "$OUT" --what "${PROFILE_WHAT:-timeline,host,cuda-api}" --mode "${PROFILE_MODE:-auto}" 2>&1 \
     | tee "$OUT/profile_step.log" | grep -v "^ *$" | head -240
   ok "${PIPESTATUS[0]}"
 fi

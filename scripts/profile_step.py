@@ -2,7 +2,7 @@
 
 The engine serves the 0.5B shape (bf16, FlashInfer attention when it imports) in one mode (default auto).
 
-    python scripts/profile_step.py OUTDIR [--what host,cuda-api] [--mode auto]
+    python scripts/profile_step.py OUTDIR [--what host,cuda-api,timeline] [--mode auto]
 
 ``host``: cProfile over the engine's steps, three workloads apart: ``c256`` (256 requests of 512 prompt tokens and
 32 new, submitted at once: mixed steps, then decode at batch 256), ``c10`` (serve-bench's c=10 shape: 30 requests
@@ -18,6 +18,10 @@ pageable memory or a stream sync, shows as long) and the longest single calls wi
 overlapped step's host work must not wait for the step before it, and torch's sync debug mode sees only the syncs
 torch makes, not those inside a kernel library's plan.
 
+``timeline``: a short c10 loop (14 requests, 32 new tokens) under ``torch.profiler`` with each forward marked: per
+step kind the forward's host ms beside the device busy and span ms of what it launched, and how far ahead of the
+device the host was (``summarize``); its gzipped Chrome trace is written beside the result.
+
 Writes one result file under OUTDIR (``<date>_<gpu>_profile_step.json``, one row per workload and profile) and
 prints each row's summary. Without CUDA: a dry run on the tiny shape (graphs emulated), to check the script runs.
 """
@@ -29,7 +33,9 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 
@@ -44,6 +50,7 @@ from piecegraph.serve.request import SamplingParams
 # length finish in the same step and the next ones arrive together, not one by one)
 WORKLOADS = {"c256": (256, 512, 32, 256, 0.0), "c10": (30, 512, 128, 10, 0.25), "c1": (1, 8, 128, 1, 0.0)}
 RUNTIME_PREFIXES = ("cuda", "cu")  # runtime and driver API events, as torch's profiler names them
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's device events
 
 
 def _submit(engine: Engine, vocab: int, gen: torch.Generator, count: int, prompt: int, new: int,
@@ -151,13 +158,112 @@ def cuda_api_rows(model: Decoder, mode: str, cuda: bool, vocab: int) -> list[dic
     return rows
 
 
-PROFILES = {"host": host_rows, "cuda-api": cuda_api_rows}
+def _complete(trace: dict, cat: str | tuple[str, ...]) -> list[dict]:
+    cats = (cat,) if isinstance(cat, str) else cat
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in cats]
+
+
+def _within(events: Iterable[dict], start: float, end: float, tid: Any) -> list[dict]:
+    return [e for e in events if e["tid"] == tid and start <= e["ts"] and e["ts"] + e["dur"] <= end]
+
+
+def forward_rows(trace: dict, kinds: list[str]) -> list[dict]:
+    """One row per ``forward`` range, in order, with the step kind ``kinds[i]`` (the engine's ``steps``, which
+    follow launch order); rows past ``len(kinds)`` are dropped (a trace may end mid-step)."""
+    forwards = sorted((e for e in _complete(trace, "user_annotation") if e["name"] == "forward"),
+                      key=lambda e: e["ts"])
+    runtime = _complete(trace, "cuda_runtime") + _complete(trace, "cuda_driver")
+    device = _complete(trace, DEVICE_CATS)
+    by_correlation: dict[int, list[dict]] = {}
+    for e in device:
+        by_correlation.setdefault(e.get("args", {}).get("correlation"), []).append(e)
+    rows = []
+    for kind, fwd in zip(kinds, forwards):
+        calls = _within(runtime, fwd["ts"], fwd["ts"] + fwd["dur"], fwd["tid"])
+        launched = [k for c in calls for k in by_correlation.get(c.get("args", {}).get("correlation"), ())]
+        by_name: dict[str, float] = {}
+        for c in calls:
+            by_name[c["name"]] = by_name.get(c["name"], 0.0) + c["dur"] / 1e3
+        row = {"kind": kind, "host_ms": fwd["dur"] / 1e3, "runtime_ms": by_name, "kernels": len(launched)}
+        if launched:
+            first = min(k["ts"] for k in launched)
+            row.update(gpu_busy_ms=sum(k["dur"] for k in launched) / 1e3,
+                       gpu_span_ms=(max(k["ts"] + k["dur"] for k in launched) - first) / 1e3,
+                       queue_ms=(first - fwd["ts"]) / 1e3)
+        rows.append(row)
+    return rows
+
+
+def summarize(trace: dict, kinds: list[str]) -> dict[str, dict]:
+    """Per step kind: the count and the median of each :func:`forward_rows` number (runtime calls: the five
+    longest by median)."""
+    out: dict[str, dict] = {}
+    rows = forward_rows(trace, kinds)
+    for kind in sorted({r["kind"] for r in rows}):
+        mine = [r for r in rows if r["kind"] == kind]
+        entry: dict[str, Any] = {"steps": len(mine)}
+        for key in ("host_ms", "gpu_busy_ms", "gpu_span_ms", "queue_ms", "kernels"):
+            values = [r[key] for r in mine if key in r]
+            if values:
+                entry[key] = round(statistics.median(values), 3)
+        names = {n for r in mine for n in r["runtime_ms"]}
+        medians = {n: statistics.median(r["runtime_ms"].get(n, 0.0) for r in mine) for n in names}
+        entry["runtime_ms"] = {n: round(v, 3) for n, v in sorted(medians.items(), key=lambda kv: -kv[1])[:5]}
+        out[kind] = entry
+    return out
+
+
+def _step_label(step) -> str:
+    shape = "decode" if step.is_decode else ("mixed" if step.decode_rows else "prefill")
+    return f"{step.kind}:{shape}"
+
+
+def timeline_rows(model: Decoder, mode: str, cuda: bool, vocab: int, outdir: Path) -> list[dict]:
+    """A short c10 loop (14 requests, 32 new tokens: the first prompts, then one mixed step per arrival) under
+    ``torch.profiler`` with each forward marked; the gzipped Chrome trace goes to OUTDIR and
+    ``step_timeline.summarize`` reads it per step kind (host ms against device busy ms)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = _engine(model, mode, cuda)
+    gen = torch.Generator().manual_seed(0)
+    _submit(engine, vocab, gen, 64, 512, 32)
+    engine.run()  # warm-up: every path once
+    engine.reset_stats()
+    run = engine.executor.run
+
+    def marked_run(*args, **kwargs):
+        with record_function("forward"):
+            return run(*args, **kwargs)
+
+    engine.executor.run = marked_run
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        _closed_loop(engine, vocab, gen, 14, 512, 32, 10, 0.25)
+    engine.executor.run = run
+    raw = outdir / "c10_timeline_trace.json"
+    prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    with gzip.open(f"{raw}.gz", "wt") as f:
+        json.dump(trace, f)
+    raw.unlink()
+    kinds = [_step_label(s) for s in engine.steps]
+    row = {"profile": "timeline", "workload": "c10-short", "trace": f"{raw.name}.gz",
+           "by_kind": summarize(trace, kinds), "steps": forward_rows(trace, kinds)}
+    print("== timeline, c10-short (medians per step kind)")
+    print(json.dumps(row["by_kind"], indent=1))
+    return [row]
+
+
+PROFILES = {"host": host_rows, "cuda-api": cuda_api_rows, "timeline": timeline_rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir")
-    parser.add_argument("--what", default="host,cuda-api", help="comma-separated: host, cuda-api (default both)")
+    parser.add_argument("--what", default="host,cuda-api",
+                        help="comma-separated: host, cuda-api, timeline (default host,cuda-api)")
     parser.add_argument("--mode", default="auto", help="the engine's mode (default auto)")
     args = parser.parse_args()
     what = [w.strip() for w in args.what.split(",") if w.strip()]
@@ -176,7 +282,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for name in what:
-        rows += PROFILES[name](model, args.mode, cuda, shape.vocab_size)
+        extra = {"outdir": path.parent} if name == "timeline" else {}
+        rows += PROFILES[name](model, args.mode, cuda, shape.vocab_size, **extra)
         write_result(path, "profile_step", env, rows)  # after each profile: a run cut short keeps what it made
     print(f"wrote {path}")
 

@@ -40,3 +40,24 @@ def test_closed_loop_keeps_the_concurrency_and_serves_every_request():
     assert len({r.params.max_new_tokens for r in finished}) > 1  # lengths spread, so arrivals are staggered
     mixed = [s for s in engine.steps if s.prefill_tokens > s.decode_rows > 0]
     assert mixed, "no arrival was prefilled beside running decode rows"
+
+
+def test_timeline_marks_every_forward_and_reads_its_host_time(tmp_path):
+    """The timeline profile's trace has one ``forward`` range per engine step, in launch order, and each range's
+    host time lies within the step's own forward phase (which also samples and starts the token copy)."""
+    script = load_script("profile_step")
+    timeline = script
+    model = Decoder.random(TINY, dtype=torch.float32)
+    [row] = script.timeline_rows(model, "auto", False, TINY.vocab_size, tmp_path)
+    steps = row["steps"]
+    assert (tmp_path / row["trace"]).stat().st_size > 0
+    labels = {s["kind"] for s in steps}
+    assert {"piecewise:prefill", "piecewise:mixed", "full:decode"} <= labels, labels
+    import gzip
+    import json
+
+    trace = json.loads(gzip.open(tmp_path / row["trace"], "rt").read())
+    assert timeline.forward_rows(trace, [s["kind"] for s in steps]) == steps
+    by_kind = timeline.summarize(trace, [s["kind"] for s in steps])
+    assert sum(v["steps"] for v in by_kind.values()) == len(steps)
+    assert all(s["host_ms"] > 0 and s["kernels"] == 0 for s in steps)  # CPU: no device events
