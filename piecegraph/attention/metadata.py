@@ -198,14 +198,16 @@ class AttentionMetadata:
     def for_cuda_graph(self, size: int) -> "AttentionMetadata":
         """The metadata a full CUDA graph of ``size`` tokens captures or replays this step with.
 
-        Only pure decode steps can be captured whole; the backend pads them to ``size`` (or leaves the zero
-        padding of token-aligned fields to piecegraph). Raises for a step with prefill rows.
+        Pure decode steps pad to ``size`` rows (the backend's graph layout, or piecegraph's zero padding of
+        token-aligned fields). A step with prefill rows only on a backend whose ``captures_mixed_steps`` is true
+        (FlashInfer: ``flashinfer_mixed.py``); elsewhere it raises.
         """
-        if not self.is_decode:
+        if not self.is_decode and not getattr(self.cache.backend, "captures_mixed_steps", False):
             raise ValueError(
-                "mode='full' captures pure decode steps only (every sequence adding one token); this step has "
-                f"{self.num_tokens} tokens over {len(self.layout.seq_ids) if self.layout else '?'} sequences. "
-                "Use mode='piecewise' for prefill and mixed steps."
+                "mode='full' captures pure decode steps only (every sequence adding one token) on the "
+                f"{getattr(self.cache.backend, 'name', '?')} attention backend; this step has {self.num_tokens} "
+                f"tokens over {len(self.layout.seq_ids) if self.layout else '?'} sequences. Use mode='piecewise' "
+                "for prefill and mixed steps."
             )
         return self.cache.backend.for_cuda_graph(self, size)
 

@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from piecegraph.attention.kv_cache import KVCache
-from piecegraph.attention.metadata import AttentionMetadata, to_device
+from piecegraph.attention.metadata import AttentionMetadata, BatchLayout, to_device
+from piecegraph.attention.pages import SCRATCH_PAGE, pages_for
 from piecegraph.context import forward_context
 from piecegraph.models.config import ModelConfig
 from piecegraph.models.decoder import Decoder
@@ -167,3 +168,25 @@ def dummy_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n: int
         raise ValueError("the KV cache was built for a different model shape than the one given")
     zeros = torch.zeros(n, dtype=torch.int64, device=cache.device)
     return (zeros, zeros.clone()), AttentionMetadata.dummy(cache, n)
+
+
+def dummy_mixed_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n: int, seqs: int
+                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
+    """``((input_ids, positions), meta)`` of a prefill step of ``n`` >= 2 pad tokens over ``min(seqs, n - 1)``
+    fresh sequences of near-equal lengths (so at least one has two tokens: not a decode step), every token on the
+    scratch page: what a mixed-step CUDA graph of ``n`` tokens is captured with. Its plan's schedule depends only
+    on ``n`` and the graph's sequence slots, so any such layout serves every later step that fits."""
+    if n < 2:
+        raise ValueError(f"a mixed step has at least 2 tokens, got n={n}")
+    config = model_or_config if isinstance(model_or_config, ModelConfig) else model_or_config.config
+    if (config.num_layers, config.num_kv_heads, config.head_dim) != (
+            len(cache.k), cache.num_kv_heads, cache.head_dim):
+        raise ValueError("the KV cache was built for a different model shape than the one given")
+    k = min(seqs, n - 1)
+    lengths = [n // k + (i < n % k) for i in range(k)]
+    layout = BatchLayout(seq_ids=tuple(("pad", i) for i in range(k)), num_new=tuple(lengths),
+                         kv_lens=tuple(lengths), pages=tuple((SCRATCH_PAGE,) * pages_for(m, cache.page_size)
+                                                             for m in lengths),
+                         page_size=cache.page_size)
+    meta = AttentionMetadata.from_layout(cache, layout)
+    return (torch.zeros(n, dtype=torch.int64, device=cache.device), meta.positions.clone()), meta

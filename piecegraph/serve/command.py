@@ -82,7 +82,8 @@ def serve_bench(
     modes: str = typer.Option(DEFAULT_MODES, help="comma-separated engine modes: eager,breakable,piecewise,auto; "
                               "auto-sync (the synchronous loop), auto-freeze (on a frozen heap), "
                               "auto-shared (the full module from the shared trace), auto-pieces (that, compiled by "
-                              "pieces), auto-noprefix (without the prefix cache); with --workload shared-prefix the "
+                              "pieces), auto-noprefix (without the prefix cache), auto-nomixed (prompt steps all "
+                              "piecewise); with --workload shared-prefix the "
                               "default is auto,auto-noprefix"),
     concurrency: str = typer.Option("1,10,256,1024", help="closed-loop clients, comma-separated"),
     requests: str = typer.Option("", help="requests per concurrency: one count, or one per concurrency "

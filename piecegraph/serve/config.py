@@ -95,6 +95,12 @@ class EngineConfig:
             static token count and keeps it where it ran faster (``piecegraph.Config.compile_sizes="auto"``; the
             bench's ``full-static`` row: 1.654 ms against the dynamic 1.901 at batch 1 on the 1B shape, H100), at
             an Inductor compile per size at start. ``None`` (default): one dynamic-shape compile.
+        mixed_graphs: in ``mode="auto"``, steps with prompt tokens in them (prefill and mixed steps) of at most the
+            attention backend's ``mixed_graph_seqs(size)`` sequences replay full graphs too, captured at the
+            piecewise sizes, where the backend can capture such steps (FlashInfer: ``flashinfer_mixed.py``; the
+            torch backend cannot, and keeps them piecewise). A third module (``"full-mixed"`` in the step kinds);
+            per size, auto times it against the piecewise module on a prompt beside decode rows at start and keeps
+            the faster (on CUDA; elsewhere the full graph).
 
     Example: ``EngineConfig(mode="auto", max_num_seqs=64, max_num_batched_tokens=512, max_seq_len=1024)``.
     """
@@ -122,6 +128,7 @@ class EngineConfig:
     auto_opaque: bool | None = None
     prefix_cache: bool = True
     decode_compile_sizes: str | None = None
+    mixed_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -144,7 +151,8 @@ class EngineConfig:
                 if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
                     raise ValueError(f"EngineConfig.{name}={sizes!r} must be a non-empty list of positive ints")
                 object.__setattr__(self, name, values)
-        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace", "aot_background", "prefix_cache"):
+        for name in ("emulate_graphs", "overlap", "freeze_gc", "share_trace", "aot_background", "prefix_cache",
+                     "mixed_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.full_compile not in FULL_COMPILE:

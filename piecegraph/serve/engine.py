@@ -98,7 +98,8 @@ class Engine:
         self.cache = cache or self._build_cache()
         self.scheduler = Scheduler(self.cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    prefix_cache=self.config.prefix_cache)
-        self.executor = Executor(model, self.config)
+        self.executor = Executor(model, self.config,
+                                 captures_mixed=getattr(self.cache.backend, "captures_mixed_steps", False))
         self.steps: list[StepStats] = []
         self._ids: set[Hashable] = set()  # every id accepted, for uniqueness and abort's KeyError
         self._live: dict[Hashable, Request] = {}  # waiting or running requests by id

@@ -5,11 +5,15 @@
 | eager | the model | the model |
 | breakable | piecegraph ``mode="breakable"`` | the same module |
 | piecewise | piecegraph ``mode="piecewise"`` | the same module |
-| auto | piecegraph ``mode="full"`` (batch bucketed to its sizes) | piecegraph ``mode="piecewise"`` |
+| auto | piecegraph ``mode="full"`` (batch bucketed to its sizes) | piecegraph ``mode="full"`` at the piecewise sizes
+(``full-mixed``) for steps of few sequences where the attention backend captures them, else ``mode="piecewise"`` |
 
 In ``auto``, which of the two a pure decode step replays is measured at capture, per full size (on CUDA: a few
 replays of each, timed with CUDA events; the faster wins; :meth:`Executor.report` records both times and the
-choice). Without real graphs to time (CPU, emulated graphs) the rule is full for every size.
+choice). Without real graphs to time (CPU, emulated graphs) the rule is full for every size. Steps with prompt
+tokens go to the ``full-mixed`` module (``EngineConfig.mixed_graphs``, a backend whose ``captures_mixed_steps``:
+FlashInfer) when they have at most the backend's ``mixed_graph_seqs(size)`` sequences, and its graphs were timed
+faster than the piecewise module's on a prompt beside decode rows (:func:`time_mixed`; the same rule off CUDA).
 A decode step larger than the largest full size goes to the piecewise module; a step larger than the largest
 piecewise size runs its compiled pieces without graphs (piecegraph's own fallback). In ``auto`` both modules share
 one :class:`piecegraph.GraphPool`. What a step actually did is read from the modules' replay counters, not
@@ -30,12 +34,12 @@ import piecegraph
 from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.context import forward_context
 from piecegraph.graphs.capture import capture_batch, pipelined_ms, time_ms, timed_capture
-from piecegraph.models.generate import dummy_inputs
+from piecegraph.models.generate import dummy_inputs, dummy_mixed_inputs
 from piecegraph.serve.config import EngineConfig
 
 log = logging.getLogger("piecegraph")
 
-GRAPH_KINDS = ("full", "piecewise", "breakable")
+GRAPH_KINDS = ("full", "full-mixed", "piecewise", "breakable")
 Progress = Callable[[str, int, int, int], None]  # (module kind, size, sizes done, sizes in all), before each size
 
 
@@ -66,12 +70,15 @@ class Executor:
     :meth:`capture`, which traces, compiles and captures every size, largest first.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, captures_mixed: bool = False) -> None:
         self.model, self.config = model, config
         self.pool = piecegraph.GraphPool()
         # auto: per full size, the module its decode steps replay and what was measured to choose it
         self.decode_choice: dict[int, dict[str, Any]] = {}
+        # auto with mixed graphs: per size, whether steps with prompt tokens replay full-mixed or piecewise graphs
+        self.mixed_choice: dict[int, dict[str, Any]] = {}
         self._timed_swaps = 0  # the full module's swaps when decode_choice was timed
+        self.prefill: Slot | None = None  # auto's full-mixed module (``captures_mixed``: the cache's backend can)
         mode = config.mode
         if mode == "eager":
             self.mixed = Slot("eager", model)
@@ -97,10 +104,17 @@ class Executor:
                 config.full_sizes)
             if config.share_trace:  # one Dynamo trace for both modules: the full one builds from the piecewise one's
                 self.decode.module.trace_from(self.mixed.module)
+            sizes = tuple(s for s in config.piecewise_sizes if s >= 2)  # one token is a decode step
+            if config.mixed_graphs and captures_mixed and sizes:
+                self.prefill = Slot("full-mixed", piecegraph.compile(
+                    model, mode="full", compiler=config.compiler, capture_sizes=sizes,
+                    full_compile=config.full_compile, **common), sizes)
+                if config.share_trace:
+                    self.prefill.module.trace_from(self.mixed.module)
 
     @property
     def slots(self) -> list[Slot]:
-        return [s for s in (self.mixed, self.decode) if s is not None]
+        return [s for s in (self.mixed, self.decode, self.prefill) if s is not None]
 
     # -- start ------------------------------------------------------------------------------------------
     def capture(self, cache: Any, progress: Progress | None = None) -> None:
@@ -114,14 +128,35 @@ class Executor:
                 for n in sorted(slot.sizes, reverse=True):
                     if progress:
                         progress(slot.kind, n, done, total)
-                    _, seconds = timed_capture(
-                        lambda m=slot.module, n=n: m.capture(lambda k: dummy_inputs(self.model, cache, k), [n]))
+                    make = self._dummy_maker(slot, cache)
+                    _, seconds = timed_capture(lambda m=slot.module, n=n, make=make: m.capture(make, [n]))
                     slot.wall_s[n] = seconds  # the first size also traces and compiles
                     done += 1
         if progress and total:
             progress("done", 0, done, total)
         if self.decode is not None:
             self.choose_decode(self.decode_timer(cache))
+        if self.prefill is not None:
+            self.choose_mixed(cache)
+
+    def _dummy_maker(self, slot: Slot, cache: Any) -> Callable[[int], Any]:
+        """What ``slot`` captures each size on: pad-token decode steps, or (full-mixed) pad-token prompts."""
+        if slot is self.prefill:
+            return lambda k: dummy_mixed_inputs(self.model, cache, k, cache.backend.mixed_graph_seqs(k))
+        return lambda k: dummy_inputs(self.model, cache, k)
+
+    def choose_mixed(self, cache: Any) -> None:
+        """Per full-mixed size, full-mixed or piecewise for steps with prompt tokens: timed (:func:`time_mixed`)
+        on CUDA with real graphs, the faster wins and ties go to full-mixed; elsewhere full-mixed."""
+        measured = cache.device.type == "cuda" and not self.config.emulate_graphs
+        for n in self.prefill.sizes:
+            seqs = cache.backend.mixed_graph_seqs(n)
+            times = {s.kind: time_mixed(s.module, self.model, cache, n, seqs, self.config.overlap) if measured
+                     else None for s in (self.prefill, self.mixed)}
+            full, piecewise = times["full-mixed"], times["piecewise"]
+            pick = "piecewise" if full is not None and piecewise is not None and piecewise < full else "full-mixed"
+            self.mixed_choice[n] = {"pick": pick, "full_mixed_ms": full, "piecewise_ms": piecewise, "seqs": seqs,
+                                    "by": "rule" if full is None or piecewise is None else "measured"}
 
     def decode_timer(self, cache: Any) -> Callable[[Slot, int], float | None]:
         """``timer(slot, n)``: ms of one decode step of ``n`` rows through ``slot``'s graphs
@@ -147,6 +182,8 @@ class Executor:
         read and a clock read."""
         if self.decode is None:
             return
+        if self.prefill is not None:  # its own background package, if any; its choice is not timed again
+            self.prefill.module.poll_upgrade()
         self.decode.module.poll_upgrade()
         if self.decode.module.swaps == self._timed_swaps:
             return
@@ -181,16 +218,25 @@ class Executor:
             out["pool_mib"] = max(out["pool_mib"], stats["pool_bytes"] / 2**20)  # one pool, seen by each module
         if self.decode_choice:
             out["decode_choice"] = {n: dict(c) for n, c in self.decode_choice.items()}
+        if self.mixed_choice:
+            out["mixed_choice"] = {n: dict(c) for n, c in self.mixed_choice.items()}
         return out
 
     # -- one step ---------------------------------------------------------------------------------------
     def pick(self, meta: AttentionMetadata) -> Slot:
         """A pure decode step within the full sizes: the module measured faster for its size (full graphs by
-        default); every other step: the mixed module."""
+        default); a step with prompt tokens within the full-mixed sizes and slots: the full-mixed module where it
+        was measured faster (or by rule); every other step: the piecewise (mixed) module."""
         n = meta.num_tokens
         if self.decode is not None and meta.is_decode and n <= self.decode.sizes[-1]:
             choice = self.decode_choice.get(self.decode.bucket(n))
             return self.mixed if choice is not None and choice["pick"] == "piecewise" else self.decode
+        if self.prefill is not None and not meta.is_decode and n <= self.prefill.sizes[-1]:
+            size = self.prefill.bucket(n)
+            choice = self.mixed_choice.get(size)
+            if (choice is None or choice["pick"] == "full-mixed") and meta.layout is not None \
+                    and meta.layout.num_seqs <= meta.cache.backend.mixed_graph_seqs(size):
+                return self.prefill
         return self.mixed
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, str, int]:
@@ -277,3 +323,37 @@ def varied_ids(n: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """``n`` token ids drawn from the whole vocabulary (fixed seed)."""
     gen = torch.Generator().manual_seed(n)
     return torch.randint(vocab_size, (n,), generator=gen, dtype=torch.int64).to(device)
+
+
+def time_mixed(module: Any, model: torch.nn.Module, cache: Any, n: int, seqs: int, overlap: bool = True,
+               repeats: int = 5) -> float | None:
+    """Milliseconds of one step of ``n`` tokens with a prompt in it through ``module``'s graphs, as
+    :func:`time_replays` times a decode step: up to 8 decode rows (``seqs - 1`` at most, each with
+    :func:`timing_context` cached tokens on pages of its own) beside prompt chunks of the rest, each step with its
+    own metadata and plan. ``None`` when the free pages cannot hold those rows (the caller keeps its rule). The
+    pages it takes are freed."""
+    decode = max(0, min(seqs - 1, n - 2, 8))
+    longest = max(1, cache.max_seq_len - 1)
+    prompts = [min(longest, n - decode - i) for i in range(0, n - decode, longest)]
+    if decode + len(prompts) > seqs:
+        return None
+    context = timing_context(cache, max(decode, 1))
+    names = [("mixed-timing", i) for i in range(decode + len(prompts))]
+    need = decode * (context + 1) + sum(prompts)
+    if context < 1 or any(cache.capacity(s) for s in names) or \
+            cache.num_free_pages * cache.page_size < need + len(names) * cache.page_size:
+        return None
+    seqs_of_step = [(s, context, 1) for s in names[:decode]] + [(s, 0, p) for s, p in zip(names[decode:], prompts)]
+    ids = varied_ids(n, model.config.vocab_size, cache.device)
+    try:
+        cache.reserve([(s, context + 1) for s in names[:decode]])
+
+        def step(_: int) -> None:
+            meta = AttentionMetadata.for_batch(cache, seqs_of_step)
+            with forward_context(meta):
+                module(ids, meta.positions)
+
+        return pipelined_ms(step, repeats=2 * repeats) if overlap else time_ms(step, warmup=1, repeats=repeats)
+    finally:
+        for seq in names:
+            cache.discard(seq)

@@ -66,16 +66,18 @@ def gpu_bounds(results: Sequence[dict[str, Any]]) -> dict[int, float]:
 
 def capture_table(results: Sequence[dict[str, Any]]) -> Table:
     """What each mode's engine captured at start: sizes, seconds, pool MiB."""
-    out = Table(title="graphs captured at engine start (auto: which module decode steps replay, per full size)")
+    out = Table(title="graphs captured at engine start (auto: which module decode steps replay, per full size, and "
+                      "steps with prompt tokens, per full-mixed size)")
     for header in ("mode", "module", "sizes", "trace s", "compile s", "JIT build s", "capture s",
-                   "setup s (all of it)", "pool MiB", "before capture: estimated / measured MiB", "decode replays"):
-        out.add_column(header, justify="left" if header in ("mode", "module", "sizes", "decode replays") else "right")
+                   "setup s (all of it)", "pool MiB", "before capture: estimated / measured MiB", "replays"):
+        out.add_column(header, justify="left" if header in ("mode", "module", "sizes", "replays") else "right")
     for result in results:
         report = result.get("capture") or {"modules": {}, "pool_mib": 0.0}
         for kind, module in report["modules"].items():
             sizes = module["sizes"]
             shown = f"{len(sizes)}: {sizes[0]}..{sizes[-1]}" if sizes else "none"
-            picks = _picks(report.get("decode_choice", {})) if kind == "full" else ""
+            picks = {"full": _picks(report.get("decode_choice", {}), "full"),
+                     "full-mixed": _picks(report.get("mixed_choice", {}), "full-mixed")}.get(kind, "")
             stages = module.get("startup") or {}
             out.add_row(result["mode"], kind, shown,
                         *(f"{stages.get(k) or 0.0:.1f}" for k in ("trace_s", "compile_s", "jit_build_s")),
@@ -91,14 +93,14 @@ def _before_capture(memory: dict[str, Any]) -> str:
                       for key in ("pool_estimate_bytes", "pool_measured_bytes"))
 
 
-def _picks(choice: dict[Any, dict[str, Any]]) -> str:
-    """``full 10, piecewise 2 (measured)``: how many full sizes replay each module (the JSON's capture report
-    holds both times per size)."""
+def _picks(choice: dict[Any, dict[str, Any]], graph: str) -> str:
+    """``full 10, piecewise 2 (measured)``: how many sizes replay ``graph`` (``full`` or ``full-mixed``) and how
+    many the piecewise module (the JSON's capture report holds both times per size)."""
     if not choice:
         return ""
-    counts = {k: sum(c["pick"] == k for c in choice.values()) for k in ("full", "piecewise")}
+    counts = {k: sum(c["pick"] == k for c in choice.values()) for k in (graph, "piecewise")}
     how = sorted({c["by"] for c in choice.values()})
-    return f"full {counts['full']}, piecewise {counts['piecewise']} ({', '.join(how)})"
+    return f"{graph} {counts[graph]}, piecewise {counts['piecewise']} ({', '.join(how)})"
 
 
 def phase_table(results: Sequence[dict[str, Any]]) -> Table:

@@ -8,7 +8,8 @@ frozen heap (``EngineConfig.freeze_gc=True``), ``auto-shared``: ``auto`` whose f
 piecewise module's trace and compiles it whole (``share_trace=True``, ``full_compile="whole"``: what the defaults
 do without a cache), or ``auto-pieces``: that, compiled by pieces (``full_compile="pieces"``: what the defaults do
 on a cold start with a cache, until the whole graph's package is swapped in), or ``auto-noprefix``: ``auto``
-without its prefix cache (``prefix_cache=False``: the shared-prefix workload's row without the cache).
+without its prefix cache (``prefix_cache=False``: the shared-prefix workload's row without the cache), or
+``auto-nomixed``: ``auto`` whose steps with prompt tokens all run piecewise (``mixed_graphs=False``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from piecegraph.serve.gpu_bound import engine_fits, engine_timer, estimate
 
 SYNC_SUFFIX = "-sync"
 # auto's variant rows: the synchronous loop, the frozen heap, the full module from the shared trace (whole, and
-# by pieces), no prefix cache, decode graphs compiled per static size
+# by pieces), no prefix cache, decode graphs compiled per static size, no full-mixed graphs
 VARIANTS = {SYNC_SUFFIX: {"overlap": False}, "-freeze": {"freeze_gc": True},
             "-shared": {"share_trace": True, "full_compile": "whole"},
             "-pieces": {"share_trace": True, "full_compile": "pieces"}, "-noprefix": {"prefix_cache": False},
-            "-static": {"decode_compile_sizes": "auto"}}
+            "-static": {"decode_compile_sizes": "auto"}, "-nomixed": {"mixed_graphs": False}}
 BENCH_MODES = (*ENGINE_MODES, *("auto" + suffix for suffix in VARIANTS))
 
 

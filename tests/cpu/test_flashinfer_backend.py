@@ -227,19 +227,22 @@ def _engine_case(model_seed, prompt_seed, new):
     return model, prompts, want, cache
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_the_engine_on_flashinfer_plans_at_most_once_per_step_and_equals_torch(overlap):
-    """The serving engine (auto: full graphs for decode, piecewise otherwise, preemption) on the FlashInfer
-    backend: every request's tokens equal torch eager greedy decoding alone, and each step plans a wrapper once
-    (the eager one lazily, or the graph size's), which the step stats report."""
+@pytest.mark.parametrize("overlap, mixed_graphs", [(True, True), (False, True), (True, False)])
+def test_the_engine_on_flashinfer_plans_at_most_once_per_step_and_equals_torch(overlap, mixed_graphs):
+    """The serving engine (auto: full graphs for decode, full-mixed graphs for steps with prompt tokens or, with
+    ``mixed_graphs=False``, piecewise ones; preemption) on the FlashInfer backend: every request's tokens equal
+    torch eager greedy decoding alone, and each step plans a wrapper once (the eager one lazily, or the graph
+    size's), which the step stats report."""
     from piecegraph.serve import Engine, EngineConfig, SamplingParams
 
     model, prompts, want, cache = _engine_case(model_seed=1, prompt_seed=4, new=6)
-    engine = Engine(model, EngineConfig(mode="auto", overlap=overlap, **ENGINE), cache=cache)
+    engine = Engine(model, EngineConfig(mode="auto", overlap=overlap, mixed_graphs=mixed_graphs, **ENGINE),
+                    cache=cache)
     cache.backend.plans = 0  # capture planned each size once
     assert engine.generate(prompts, SamplingParams(max_new_tokens=6)) == want
     stats = engine.stats()
-    assert stats["preemptions"] > 0 and {"full", "piecewise"} <= set(stats["by_kind"])
+    other = "full-mixed" if mixed_graphs else "piecewise"
+    assert stats["preemptions"] > 0 and set(stats["by_kind"]) == {"full", other}
     assert all(s.plans == 1 for s in engine.steps) and stats["max_plans_per_step"] == 1
     assert cache.backend.plans == len(engine.steps) and all(s.plan_s > 0 for s in engine.steps)
 

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from piecegraph.attention.backends.flashinfer_layout import page_layout
+from piecegraph.attention.backends.flashinfer_mixed import MixedGraphs
 from piecegraph.attention.backends.kv_write import KVWriter, write_kv
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
 from piecegraph.attention.pages import SCRATCH_PAGE
@@ -81,15 +82,20 @@ from piecegraph.attention.types import CacheShape, PagedCache, v_head_dim
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
 
 
-def graph_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, size: int, num_sm: int) -> int:
-    """Float workspace bytes FlashInfer 0.5.3's plan needs for a CUDA-graph decode wrapper of ``size`` rows
-    (tensor cores, so its prefill scheduler): a graph plan reserves the split-KV partial outputs for the worst
-    case, ``num_qo_heads x padded_tiles x cta_tile_q x (head_dim + 1)`` floats, where ``padded_tiles`` is
-    ``max(2 * num_sm / num_kv_heads, ceil(size * group / cta_tile_q) + size - 1)`` (``scheduler.cuh``). This
+def graph_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, size: int, num_sm: int,
+                          seqs: int | None = None) -> int:
+    """Float workspace bytes FlashInfer 0.5.3's plan needs for a CUDA-graph wrapper of ``size`` tokens over
+    ``seqs`` request slots (default ``size``: a decode graph on tensor cores, whose plan is the prefill
+    scheduler's): a graph plan reserves the split-KV partial outputs for the worst case,
+    ``num_qo_heads x padded_tiles x cta_tile_q x (head_dim + 1)`` floats, where ``cta_tile_q`` follows the longest
+    possible query, ``(size - seqs + 1) x group`` packed rows, and ``padded_tiles`` is
+    ``max(2 * num_sm / num_kv_heads, ceil(size * group / cta_tile_q) + seqs - 1)`` (``scheduler.cuh``). This
     outgrows the usual 128 MiB with wide heads: 16 heads of 128 at 1024 rows take 136 MiB on an H200."""
+    seqs = size if seqs is None else seqs
     group = num_qo_heads // num_kv_heads
-    cta_tile_q = 128 if group > 64 and head_dim < 256 else 64 if group > 16 else 16
-    tiles = max(2 * num_sm // num_kv_heads, -(-size * group // cta_tile_q) + size - 1)
+    packed = (size - seqs + 1) * group
+    cta_tile_q = 128 if packed > 64 and head_dim < 256 else 64 if packed > 16 else 16
+    tiles = max(2 * num_sm // num_kv_heads, -(-size * group // cta_tile_q) + seqs - 1)
     floats = num_qo_heads * tiles * cta_tile_q
     return floats * head_dim * 4 + floats * 4 + 2 * 16  # tmp_v, tmp_s, each 16-byte aligned
 
@@ -129,9 +135,10 @@ class _Graph:
 
     plan: FlashInferPlan
     last: tuple[weakref.ref, AttentionMetadata] | None = None
+    seqs: int = 0  # a mixed-step graph's request slots (flashinfer_mixed.py)
 
 
-class FlashInferBackend:
+class FlashInferBackend(MixedGraphs):
     """FlashInfer paged attention; see the module docstring. Constructing it imports flashinfer."""
 
     name = "flashinfer"
@@ -162,6 +169,7 @@ class FlashInferBackend:
                         _Slot(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)))
         self._graphs: dict[int, _Graph] = {}
+        self._mixed: dict[int, _Graph] = {}  # mixed-step graphs by token size (flashinfer_mixed.py)
         self._write_kv = KVWriter()
         self.replans = 0
         self.plans, self.plan_s = 0, 0.0  # wrapper plan() calls and their host seconds (the engine reports both)
@@ -255,6 +263,8 @@ class FlashInferBackend:
         return graph, page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
 
     def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        if not meta.is_decode:
+            return self._mixed_for_cuda_graph(meta, size)
         graph, tables = self._graph_step(meta, size)
         if tables is None:
             return graph.last[1]
@@ -269,12 +279,13 @@ class FlashInferBackend:
         graph.last = (weakref.ref(meta), view)
         return view
 
-    def _graph_workspace(self, cache: PagedCache, size: int) -> torch.Tensor:
-        """The float workspace for a graph of ``size`` rows: the shared one, or, when this size needs more, a
-        larger one that later wrappers share (graphs captured before keep theirs, whose address they baked in)."""
+    def _graph_workspace(self, cache: PagedCache, size: int, seqs: int | None = None) -> torch.Tensor:
+        """The float workspace for a graph of ``size`` tokens over ``seqs`` sequences (default ``size``: decode):
+        the shared one, or, when this graph needs more, a larger one that later wrappers share (graphs captured
+        before keep theirs, whose address they baked in)."""
         if self._cuda:
             num_sm = torch.cuda.get_device_properties(self.workspace.device).multi_processor_count
-            need = graph_workspace_bytes(self.num_heads, cache.num_kv_heads, self.v_head_dim, size, num_sm)
+            need = graph_workspace_bytes(self.num_heads, cache.num_kv_heads, self.v_head_dim, size, num_sm, seqs)
             if need > self.workspace.numel():
                 self.workspace = torch.zeros(-(-need // (16 << 20)) * (16 << 20), dtype=torch.uint8,
                                              device=self.workspace.device)
@@ -309,10 +320,10 @@ class FlashInferBackend:
             slot.plan_info = info
         elif info != slot.plan_info:
             raise RuntimeError(
-                f"flashinfer attention: the decode schedule (plan_info) of CUDA graph size {size} changed "
+                f"flashinfer attention: the schedule (plan_info) of CUDA graph size {size} changed "
                 f"({slot.plan_info} -> {info}); graphs captured with the old one would replay it. This "
                 f"FlashInfer ({getattr(self._fi, '__version__', '?')}) plans CUDA graphs differently from 0.5.3: "
-                "use mode='piecewise' for decode."
+                "use mode='piecewise' for such steps."
             )
 
     # -- the op (inside the split op, per layer) --------------------------------------------------------

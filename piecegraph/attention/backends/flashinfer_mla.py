@@ -73,6 +73,8 @@ class MLAPlan(FlashInferPlan):
 class FlashInferMLABackend(FlashInferBackend):
     """FlashInfer MLA for dense layers, the torch path for DSA layers; see the module docstring."""
 
+    captures_mixed_steps = False  # its graphs are decode graphs only (a step with prefill rows runs piecewise)
+
     name = "flashinfer"
     kernel = ("FlashInfer BatchMLAPagedAttentionWrapper; DSA layers past index_topk keys, and in full graphs of a "
               "cache whose max_seq_len exceeds index_topk: torch gather path")

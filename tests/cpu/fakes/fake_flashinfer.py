@@ -3,9 +3,9 @@
 It has the signatures of FlashInfer 0.5.3's ``BatchDecodeWithPagedKVCacheWrapper`` and
 ``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout) and computes the same function with plain loops over the CSR
 page layout (``indptr``/``indices``/``last_page_len``): the keys piecegraph wrote at its flat slots are read back
-through the pages FlashInfer would read, so the two layouts must agree. In CUDA-graph
-mode, ``plan`` copies into the caller's buffers and ``run`` reads only those, as the real wrapper's captured
-kernels do, so a backend that hands ``run`` anything else is caught. It never shares code with piecegraph.
+through the pages FlashInfer would read, so the two layouts must agree. In CUDA-graph mode (decode, and prefill
+with fixed buffers), ``plan`` copies into the caller's buffers and ``run`` reads only those, as the real wrapper's
+captured kernels do, so a backend that hands ``run`` anything else is caught. It never shares code with piecegraph.
 """
 
 from __future__ import annotations
@@ -101,11 +101,23 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Paged):
+    """In CUDA-graph mode (fixed buffers), as 0.5.3's: the batch size is the buffers' and every plan keeps it; the
+    tokens of a plan may not exceed the first plan's (``_max_total_num_rows``); ``run`` reads the query layout
+    from ``qo_indptr_buf`` on the device, as the captured kernels do, and writes no output row outside it."""
+
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, **kwargs):
-        assert kv_layout == "NHD" and not use_cuda_graph, "the fake covers the eager prefill wrapper only"
+        assert kv_layout == "NHD"
         self.device = float_workspace_buffer.device
-        self._use_cuda_graph = False
+        self._use_cuda_graph = use_cuda_graph
+        self._max_total_num_rows = None
+        if use_cuda_graph:
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+            assert len(paged_kv_indptr_buf) == self._fixed_batch_size + 1
+            assert len(paged_kv_last_page_len_buf) == self._fixed_batch_size
+            self._qo_indptr_buf, self._paged_kv_indptr_buf = qo_indptr_buf, paged_kv_indptr_buf
+            self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = (paged_kv_indices_buf,
+                                                                            paged_kv_last_page_len_buf)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
@@ -114,9 +126,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
              non_blocking=True, **newer):
         if qo_indptr.dtype != torch.int32:
             raise ValueError("qo_indptr must have dtype torch.int32")
+        host_qo = qo_indptr.to("cpu")
+        if self._use_cuda_graph:
+            total = int(host_qo[-1])
+            if self._max_total_num_rows is None:
+                self._max_total_num_rows = total
+            elif total > self._max_total_num_rows:
+                raise ValueError(f"The total number of rows in qo_indptr {total} in cuda graph mode cannot exceed "
+                                 f"the number of rows set during initialization {self._max_total_num_rows}.")
+            if len(qo_indptr) - 1 != self._fixed_batch_size:
+                raise ValueError("The batch size should be fixed during the lifecycle of the wrapper in cuda graph "
+                                 "mode")
+            if len(paged_kv_indices) > len(self._paged_kv_indices_buf):
+                raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
+            self._qo_indptr_buf.copy_(qo_indptr)
         self._store(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-        self._qo_indptr = qo_indptr.to("cpu")
-        self._max_q_len = max(self._qo_indptr[1:] - self._qo_indptr[:-1]).item()
+        self._qo_indptr = host_qo
+        self._max_q_len = max(host_qo[1:] - host_qo[:-1]).item()
         self._lengths(paged_kv_indptr.to("cpu"), paged_kv_last_page_len.to("cpu"), page_size, newer.get("seq_lens"))
         self._causal = causal
         self._scale = sm_scale if sm_scale is not None else head_dim_qk ** -0.5
@@ -125,8 +151,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
     def run(self, q, paged_kv_cache, out=None, **kwargs):
         assert q.dtype == self._q_dtype, (q.dtype, self._q_dtype)
         out = torch.empty_like(q) if out is None else out
-        for b in range(len(self._qo_indptr) - 1):
-            lo, hi = int(self._qo_indptr[b]), int(self._qo_indptr[b + 1])
+        qo_indptr = self._qo_indptr_buf.cpu() if self._use_cuda_graph else self._qo_indptr
+        for b in range(len(qo_indptr) - 1):
+            lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
+            if lo == hi:
+                continue  # a request of no query tokens (a CUDA-graph batch's pad slot): no work
             keys, values = self._kv(paged_kv_cache, b)
             offset = keys.shape[0] - (hi - lo) if self._causal else None  # causal aligned bottom-right
             out[lo:hi] = _attend(q[lo:hi], keys, values, self._scale, offset).to(out.dtype)

@@ -1,0 +1,98 @@
+"""Full CUDA graphs of prefill and mixed steps on FlashInfer: the graphs of auto's ``full-mixed`` module.
+
+A piecewise step launches every piece and every layer's attention from the host: for a 0.5B-shaped model that
+is ~5 ms of host work per step, against ~2 ms of device work for a 512-token prompt beside nine decode rows
+(H100), so a step with a prompt in it left the device idle. FlashInfer's prefill wrapper runs in a CUDA graph
+when it is built with ``use_cuda_graph=True`` and fixed buffers, and then takes any layout that fits them
+(FlashInfer 0.5.3, ``scheduler.cuh`` ``PrefillSplitQOKVIndptr``):
+
+- the batch size (request slots) is fixed per wrapper: a step with fewer sequences gets pad requests of no query
+  tokens and one KV token on the scratch page, which the kernels give no work;
+- the token count may be anything up to the one of the wrapper's first plan (``_max_total_num_rows``, set here
+  to the graph's size); the real count goes to the device through the int workspace, and pad tokens belong to
+  no request (their attention output is not written; no real row reads them);
+- the schedule baked into the graph (``plan_info``: ``cta_tile_q`` from ``size - seqs + 1`` query rows,
+  ``padded_batch_size`` from the size and slots, split-KV always on) is a function of those two numbers only,
+  so it stays fixed; each step's KV chunk size and tile lists go into the int workspace. The backend still
+  checks ``plan_info`` at every plan (``_plan_graph``).
+
+So one graph per token size serves every step of at most ``mixed_graph_seqs(size)`` sequences (``min(size,
+MIXED_GRAPH_SEQS)``); larger batches, which are mostly decode rows and long on the device anyway, stay piecewise.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from piecegraph.attention.backends.flashinfer_layout import page_layout
+from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
+from piecegraph.attention.pages import SCRATCH_PAGE
+from piecegraph.attention.types import PagedCache
+
+MIXED_GRAPH_SEQS = 64  # request slots of a mixed graph at most: steps with more sequences run piecewise
+
+
+def mixed_graph_seqs(size: int) -> int:
+    """The sequences a mixed-step graph of ``size`` tokens has slots for."""
+    return min(size, MIXED_GRAPH_SEQS)
+
+
+class MixedGraphs:
+    """The mixed-step half of :class:`~piecegraph.attention.backends.flashinfer.FlashInferBackend`: per token size
+    a CUDA-graph prefill wrapper, its buffers and the last step planned on it."""
+
+    captures_mixed_steps = True  # AttentionMetadata.for_cuda_graph accepts a step with prefill rows
+
+    def mixed_graph_seqs(self, size: int) -> int:
+        """How many sequences a mixed step may have to replay the graph of ``size`` tokens."""
+        return mixed_graph_seqs(size)
+
+    def _mixed_for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        """``meta`` (a step with prefill rows) as the mixed graph of ``size`` tokens reads it: planned on that size's
+        wrapper with pad requests up to its slots, positions and slots padded to ``size`` rows."""
+        n, layout = meta.num_tokens, meta.layout
+        graph = self._mixed.get(size) or self._new_mixed_graph(meta.cache, size)
+        if n > size or layout is None or layout.num_seqs > graph.seqs:
+            raise ValueError(
+                f"a step of {n} tokens over {layout.num_seqs if layout else '?'} sequences does not fit the mixed "
+                f"CUDA graph of {size} tokens and {graph.seqs} sequences; run it piecewise")
+        if graph.last is not None and graph.last[0]() is meta:
+            return graph.last[1]
+        cache, pad = meta.cache, graph.seqs - layout.num_seqs
+        padded = BatchLayout(
+            seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(*layout.num_new, *(0,) * pad),
+            kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
+            page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
+        )
+        from piecegraph.attention.backends.flashinfer import _device_table, _pad_rows
+
+        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+        args = (cpu["qo_indptr"], cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
+        self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu, prefill=True))
+        rows = size - n
+        view = meta.replace(positions=_pad_rows(meta.positions, rows), slot_mapping=_pad_rows(meta.slot_mapping, rows),
+                            kv_lens=None, page_table=None, mask=None, plan=graph.plan)
+        graph.last = (weakref.ref(meta), view)
+        return view
+
+    def _new_mixed_graph(self, cache: PagedCache, size: int) -> Any:
+        from piecegraph.attention.backends.flashinfer import FlashInferPlan, _Graph, _Slot
+
+        seqs = self.mixed_graph_seqs(size)
+        zeros = {"dtype": torch.int32, "device": cache.device}
+        indptr, last = torch.zeros(seqs + 1, **zeros), torch.zeros(seqs, **zeros)
+        # every slot holds at least one page (a pad request its scratch page): the layout's pages, at most
+        indices = torch.zeros(seqs * cache.max_pages_per_seq, **zeros)
+        wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._graph_workspace(cache, size, seqs), "NHD", use_cuda_graph=True, backend="fa2",
+            qo_indptr_buf=torch.zeros(seqs + 1, **zeros), paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last,
+        )
+        # The first plan fixes the most tokens a graph plan takes; a graph of `size` may see any count up to it.
+        if hasattr(wrapper, "_max_total_num_rows"):
+            wrapper._max_total_num_rows = size
+        graph = self._mixed[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True), seqs=seqs)
+        return graph

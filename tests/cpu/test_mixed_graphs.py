@@ -1,0 +1,113 @@
+"""Auto's full-mixed graphs on CPU: steps with prompt tokens replayed as full graphs on FlashInfer's CUDA-graph
+prefill wrapper (``flashinfer_mixed.py``), through ``fakes/fake_flashinfer.py`` (its graph-mode ``run`` reads the
+query and page layout from the wrapper's fixed buffers only, as captured kernels do) and emulated graphs.
+
+The reference is independent: each request's greedy tokens from torch eager attention, alone. Random traffic
+(arrivals while others decode, preemption, slots fewer than a step's sequences) must give those tokens whichever
+module ran each step, and free every page."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from piecegraph.attention import AttentionMetadata, KVCache
+from piecegraph.models import TINY, Decoder, generate
+from piecegraph.models.generate import dummy_mixed_inputs
+from piecegraph.serve import Engine, EngineConfig, SamplingParams
+
+CFG = TINY.replace(num_heads=6, num_kv_heads=2, head_dim=8)
+FAKE = Path(__file__).parent / "fakes" / "fake_flashinfer.py"
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_seq_len=32, decode_sizes=(1, 2, 4),
+              prefill_sizes=(4, 8, 16), compiler="eager", emulate_graphs=True)
+
+
+@pytest.fixture(autouse=True)
+def fake_flashinfer(monkeypatch):
+    spec = importlib.util.spec_from_file_location("flashinfer", FAKE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    return module
+
+
+def _flashinfer_cache(num_pages: int) -> KVCache:
+    from piecegraph.attention.backends.flashinfer import FlashInferBackend
+
+    cache = KVCache(CFG, num_pages, 4, max_seq_len=32, backend="torch")
+    cache.backend = FlashInferBackend(CFG, "cpu")
+    return cache
+
+
+def _serve(engine: Engine, prompts: list[list[int]], new: int, arrive_every: int) -> list[list[int]]:
+    """The first two prompts at once, then one more every ``arrive_every`` steps (arrivals beside decode rows)."""
+    params = SamplingParams(max_new_tokens=new)
+    requests = [engine.add_request(p, params) for p in prompts[:2]]
+    waiting, steps = list(prompts[2:]), 0
+    while engine.has_work() or waiting:
+        if waiting and steps % arrive_every == 0:
+            requests.append(engine.add_request(waiting.pop(0), params))
+        engine.step()
+        steps += 1
+    return [list(r.output) for r in requests]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), slots=st.integers(1, 4), pages=st.integers(9, 30), overlap=st.booleans(),
+       arrive_every=st.integers(1, 4))
+def test_random_traffic_through_mixed_graphs_gives_each_requests_eager_tokens(monkeypatch, seed, slots, pages,
+                                                                              overlap, arrive_every):
+    """Whichever steps replay full-mixed graphs (at most ``slots`` sequences: more run piecewise), with pages
+    short enough to preempt, every request's tokens equal torch eager greedy decoding alone, and every page is
+    free at the end."""
+    from piecegraph.attention.backends import flashinfer_mixed
+
+    monkeypatch.setattr(flashinfer_mixed, "MIXED_GRAPH_SEQS", slots)
+    rng = random.Random(seed)
+    model = Decoder.random(CFG, seed=seed % 7).eval()
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))] for _ in range(5)]
+    new = rng.randint(2, 6)
+    want = [generate(model, [p], new)[0] for p in prompts]
+    cache = _flashinfer_cache(pages)
+    engine = Engine(model, EngineConfig(mode="auto", overlap=overlap, **ENGINE), cache=cache)
+    assert _serve(engine, prompts, new, arrive_every) == want
+    kinds = engine.stats()["by_kind"]
+    assert kinds.get("full-mixed", 0) > 0  # a step with prompt tokens of at most `slots` sequences always comes
+    assert all(s.kind != "full-mixed" or s.seqs <= slots for s in engine.steps)
+    assert cache.num_free_pages == cache.num_pages - 1 and cache.sequences() == []
+
+
+def test_a_step_with_more_sequences_than_the_graphs_slots_is_refused_not_truncated():
+    """The backend never replays a step its graph has no slots for: it raises, naming piecewise; the engine's
+    dispatch sends such steps to the piecewise module before that."""
+    cache = _flashinfer_cache(40)
+    meta = AttentionMetadata.for_batch(cache, [(i, 0, 2) for i in range(5)])  # 10 tokens over 5 sequences
+    backend = cache.backend
+    backend.mixed_graph_seqs = lambda size: 4
+    with pytest.raises(ValueError, match="piecewise"):
+        meta.for_cuda_graph(16)
+
+
+def test_the_torch_backend_refuses_a_full_graph_of_a_mixed_step():
+    cache = KVCache(CFG, 20, 4, max_seq_len=32, backend="torch")
+    meta = AttentionMetadata.for_batch(cache, [("a", 0, 3), ("b", 0, 1)])
+    with pytest.raises(ValueError, match="mode='piecewise'"):
+        meta.for_cuda_graph(8)
+
+
+@pytest.mark.parametrize("n, seqs", [(2, 1), (4, 4), (16, 4), (48, 64)])
+def test_mixed_capture_inputs_are_a_prompt_step_of_exactly_n_tokens_on_the_scratch_page(n, seqs):
+    """What a full-mixed size is captured on: ``n`` tokens over at most ``seqs`` sequences, not a decode step
+    (a decode step would take the decode graphs' path), every slot on the scratch page."""
+    cache = _flashinfer_cache(20)
+    (ids, positions), meta = dummy_mixed_inputs(CFG, cache, n, seqs)
+    assert ids.shape == positions.shape == (n,) and meta.num_tokens == n
+    assert not meta.is_decode and meta.layout.num_seqs <= min(seqs, n - 1)
+    assert set(meta.slot_mapping.div(cache.page_size, rounding_mode="floor").tolist()) == {0}
+    assert cache.sequences() == []
