@@ -112,7 +112,7 @@ def test_refresh_times_the_decode_choice_once_per_swap_and_keeps_the_last_one_wh
     executor = Executor.__new__(Executor)
     module = _Swapping()
     executor.decode, executor.mixed = Slot("full", module, (1, 2)), Slot("piecewise", object(), (1, 2, 4))
-    executor.decode_choice, executor._timed_swaps = {}, 0
+    executor.decode_choice, executor._timed_swaps, executor.prefill = {}, 0, None
     timings, expected_picks, expected_timings = [], None, 0
     for swapped, fails, piecewise_faster in events:
         module.pending = swapped
