@@ -119,25 +119,38 @@ class Executor:
     # -- start ------------------------------------------------------------------------------------------
     def capture(self, cache: Any, progress: Progress | None = None) -> None:
         """Trace, compile and capture every size of every module now, largest first, on pad-token dummy decode
-        steps (scratch page only). The first size of each module also traces and compiles it."""
+        steps (scratch page only; full-mixed: pad-token prompts). The first size of each module also traces and
+        compiles it. The full-mixed module is an optimization: if one of its sizes fails to capture, a warning
+        names the error and every step with prompt tokens runs piecewise (the other modules' failures raise)."""
         done, total = 0, self.num_sizes()
         with capture_batch():  # one garbage collection for every size, not one per size
             for slot in self.slots:
                 if slot.kind == "eager":
                     continue
-                for n in sorted(slot.sizes, reverse=True):
-                    if progress:
-                        progress(slot.kind, n, done, total)
-                    make = self._dummy_maker(slot, cache)
-                    _, seconds = timed_capture(lambda m=slot.module, n=n, make=make: m.capture(make, [n]))
-                    slot.wall_s[n] = seconds  # the first size also traces and compiles
-                    done += 1
+                try:
+                    done = self._capture_slot(slot, cache, progress, done, total)
+                except Exception as err:
+                    if slot is not self.prefill:
+                        raise
+                    log.warning("piecegraph engine: the full-mixed graphs did not capture (%s: %s); steps with "
+                                "prompt tokens run piecewise", type(err).__name__, err)
+                    self.prefill = None
         if progress and total:
             progress("done", 0, done, total)
         if self.decode is not None:
             self.choose_decode(self.decode_timer(cache))
         if self.prefill is not None:
             self.choose_mixed(cache)
+
+    def _capture_slot(self, slot: Slot, cache: Any, progress: Progress | None, done: int, total: int) -> int:
+        for n in sorted(slot.sizes, reverse=True):
+            if progress:
+                progress(slot.kind, n, done, total)
+            make = self._dummy_maker(slot, cache)
+            _, seconds = timed_capture(lambda m=slot.module, n=n, make=make: m.capture(make, [n]))
+            slot.wall_s[n] = seconds  # the first size also traces and compiles
+            done += 1
+        return done
 
     def _dummy_maker(self, slot: Slot, cache: Any) -> Callable[[int], Any]:
         """What ``slot`` captures each size on: pad-token decode steps, or (full-mixed) pad-token prompts."""

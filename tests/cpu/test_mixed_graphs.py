@@ -111,3 +111,23 @@ def test_mixed_capture_inputs_are_a_prompt_step_of_exactly_n_tokens_on_the_scrat
     assert not meta.is_decode and meta.layout.num_seqs <= min(seqs, n - 1)
     assert set(meta.slot_mapping.div(cache.page_size, rounding_mode="floor").tolist()) == {0}
     assert cache.sequences() == []
+
+
+def test_a_full_mixed_capture_that_fails_leaves_prompt_steps_piecewise_with_a_warning(monkeypatch, caplog):
+    """The full-mixed module is an optimization: a capture error there (a kernel that cannot be captured at a
+    prompt's size, say) must not stop the engine. It warns, naming the error, and serves prompt steps piecewise;
+    the tokens stay torch eager's."""
+    from piecegraph.attention.backends import flashinfer_mixed
+
+    def refuse(self, meta, size):
+        raise RuntimeError("no graph of this step")
+
+    monkeypatch.setattr(flashinfer_mixed.MixedGraphs, "_mixed_for_cuda_graph", refuse)
+    model = Decoder.random(CFG, seed=2).eval()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5]]
+    want = [generate(model, [p], 4)[0] for p in prompts]
+    with caplog.at_level("WARNING", logger="piecegraph"):
+        engine = Engine(model, EngineConfig(mode="auto", **ENGINE), cache=_flashinfer_cache(30))
+    assert engine.executor.prefill is None and "no graph of this step" in caplog.text
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=4)) == want
+    assert set(engine.stats()["by_kind"]) == {"full", "piecewise"}
