@@ -8,10 +8,7 @@ independent implementation, in float32. Whether the real kernels match is the GP
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,16 +21,9 @@ from piecegraph.context import forward_context
 from piecegraph.models import TINY, Decoder, generate
 
 CFG = TINY.replace(num_heads=6, num_kv_heads=2, head_dim=8)
-FAKE = Path(__file__).parent / "fakes" / "fake_flashinfer.py"
 
 
-@pytest.fixture(autouse=True)
-def fake_flashinfer(monkeypatch):
-    spec = importlib.util.spec_from_file_location("flashinfer", FAKE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    return module
+pytestmark = pytest.mark.usefixtures("fake_flashinfer")
 
 
 def _caches(num_pages=120, page_size=4, seed=0, config=CFG, max_seq_len=64):
