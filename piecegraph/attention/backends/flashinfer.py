@@ -291,6 +291,20 @@ class FlashInferBackend(MixedGraphs):
                                              device=self.workspace.device)
         return self.workspace
 
+    @staticmethod
+    def _table(cache: PagedCache) -> torch.Tensor | None:
+        return _device_table(cache)
+
+    @staticmethod
+    def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
+        return _pad_rows(t, pad)
+
+    @staticmethod
+    def _graph_record(wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+                      seqs: int = 0) -> _Graph:
+        """A graph size's record: its wrapper's fixed buffers (as a graph plan) and its sequence slots."""
+        return _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True), seqs=seqs)
+
     def _new_graph(self, cache: PagedCache, size: int) -> _Graph:
         # Buffers whose addresses the graphs bake in: plan() refills them before every replay of this size.
         zeros = {"dtype": torch.int32, "device": cache.device}
@@ -308,7 +322,7 @@ class FlashInferBackend(MixedGraphs):
                 use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
             )
-        graph = self._graphs[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True))
+        graph = self._graphs[size] = self._graph_record(wrapper, indptr, indices, last)
         return graph
 
     def _plan_graph(self, slot: _Slot, size: int, args: tuple, kwargs: dict) -> None:

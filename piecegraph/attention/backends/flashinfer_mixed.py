@@ -42,7 +42,9 @@ def mixed_graph_seqs(size: int) -> int:
 
 class MixedGraphs:
     """The mixed-step half of :class:`~piecegraph.attention.backends.flashinfer.FlashInferBackend`: per token size
-    a CUDA-graph prefill wrapper, its buffers and the last step planned on it."""
+    a CUDA-graph prefill wrapper, its buffers and the last step planned on it. What it uses of the backend comes
+    through ``self`` (``_table``, ``_pad``, ``_graph_record``, ``_plan_graph``, ...), so this module imports none
+    of it."""
 
     captures_mixed_steps = True  # AttentionMetadata.for_cuda_graph accepts a step with prefill rows
 
@@ -67,20 +69,16 @@ class MixedGraphs:
             kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
             page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
         )
-        from piecegraph.attention.backends.flashinfer import _device_table, _pad_rows
-
-        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=self._table(cache))
         args = (cpu["qo_indptr"], cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu, prefill=True))
         rows = size - n
-        view = meta.replace(positions=_pad_rows(meta.positions, rows), slot_mapping=_pad_rows(meta.slot_mapping, rows),
+        view = meta.replace(positions=self._pad(meta.positions, rows), slot_mapping=self._pad(meta.slot_mapping, rows),
                             kv_lens=None, page_table=None, mask=None, plan=graph.plan)
         graph.last = (weakref.ref(meta), view)
         return view
 
     def _new_mixed_graph(self, cache: PagedCache, size: int) -> Any:
-        from piecegraph.attention.backends.flashinfer import FlashInferPlan, _Graph, _Slot
-
         seqs = self.mixed_graph_seqs(size)
         zeros = {"dtype": torch.int32, "device": cache.device}
         indptr, last = torch.zeros(seqs + 1, **zeros), torch.zeros(seqs, **zeros)
@@ -94,5 +92,5 @@ class MixedGraphs:
         # The first plan fixes the most tokens a graph plan takes; a graph of `size` may see any count up to it.
         if hasattr(wrapper, "_max_total_num_rows"):
             wrapper._max_total_num_rows = size
-        graph = self._mixed[size] = _Graph(FlashInferPlan(_Slot(wrapper), indptr, indices, last, graph=True), seqs=seqs)
+        graph = self._mixed[size] = self._graph_record(wrapper, indptr, indices, last, seqs)
         return graph
