@@ -122,7 +122,7 @@ if has bench; then
 fi
 if has serve; then  # continuous batching, every engine mode, four concurrencies
   python3 -m piecegraph.cli serve-bench --model qwen2.5-0.5b --device cuda --attention flashinfer \
-    --modes "${SERVE_MODES:-eager,breakable,piecewise,auto,auto-sync}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
+    --modes "${SERVE_MODES:-eager,breakable,piecewise,auto,auto-nomixed,auto-sync}" --concurrency "${SERVE_CONC:-1,10,256,1024}" \
     --requests "${SERVE_REQUESTS:-4,30,512,1024}" \
     --input-len 512 --output-len 128 --range-ratio 0.25 --max-batched-tokens "${SERVE_BUDGET:-2048}" --warmup 2 \
     --repeats "${SERVE_REPEATS:-1}" ${SERVE_ARGS:-} \

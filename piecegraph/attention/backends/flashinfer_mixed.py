@@ -1,10 +1,10 @@
 """Full CUDA graphs of prefill and mixed steps on FlashInfer: the graphs of auto's ``full-mixed`` module.
 
-A piecewise step launches every piece and every layer's attention from the host: for a 0.5B-shaped model that
-is ~5 ms of host work per step, against ~2 ms of device work for a 512-token prompt beside nine decode rows
-(H100), so a step with a prompt in it left the device idle. FlashInfer's prefill wrapper runs in a CUDA graph
-when it is built with ``use_cuda_graph=True`` and fixed buffers, and then takes any layout that fits them
-(FlashInfer 0.5.3, ``scheduler.cuh`` ``PrefillSplitQOKVIndptr``):
+A piecewise step launches every piece and every layer's attention from the host: for a 0.5B-shaped model, a
+prompt beside nine decode rows took 6.5 ms of host work against 5.0 ms on the device, and 2.7 against 3.1 as one
+graph (H100, under the profiler: ``benchmarks/results/2026-12-07_h100_profile_step_timeline.json``).
+FlashInfer's prefill wrapper runs in a CUDA graph when it is built with ``use_cuda_graph=True`` and fixed buffers,
+and then takes any layout that fits them (FlashInfer 0.5.3, ``scheduler.cuh`` ``PrefillSplitQOKVIndptr``):
 
 - the batch size (request slots) is fixed per wrapper: a step with fewer sequences gets pad requests of no query
   tokens and one KV token on the scratch page, which the kernels give no work;
