@@ -72,7 +72,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from piecegraph.attention.backends.flashinfer_layout import page_layout
+from piecegraph.attention.backends.flashinfer_layout import graph_workspace_bytes, page_layout
 from piecegraph.attention.backends.flashinfer_mixed import MixedGraphs
 from piecegraph.attention.backends.kv_write import KVWriter, write_kv
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
@@ -80,24 +80,6 @@ from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache, v_head_dim
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
-
-
-def graph_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, size: int, num_sm: int,
-                          seqs: int | None = None) -> int:
-    """Float workspace bytes FlashInfer 0.5.3's plan needs for a CUDA-graph wrapper of ``size`` tokens over
-    ``seqs`` request slots (default ``size``: a decode graph on tensor cores, whose plan is the prefill
-    scheduler's): a graph plan reserves the split-KV partial outputs for the worst case,
-    ``num_qo_heads x padded_tiles x cta_tile_q x (head_dim + 1)`` floats, where ``cta_tile_q`` follows the longest
-    possible query, ``(size - seqs + 1) x group`` packed rows, and ``padded_tiles`` is
-    ``max(2 * num_sm / num_kv_heads, ceil(size * group / cta_tile_q) + seqs - 1)`` (``scheduler.cuh``). This
-    outgrows the usual 128 MiB with wide heads: 16 heads of 128 at 1024 rows take 136 MiB on an H200."""
-    seqs = size if seqs is None else seqs
-    group = num_qo_heads // num_kv_heads
-    packed = (size - seqs + 1) * group
-    cta_tile_q = 128 if packed > 64 and head_dim < 256 else 64 if packed > 16 else 16
-    tiles = max(2 * num_sm // num_kv_heads, -(-size * group // cta_tile_q) + seqs - 1)
-    floats = num_qo_heads * tiles * cta_tile_q
-    return floats * head_dim * 4 + floats * 4 + 2 * 16  # tmp_v, tmp_s, each 16-byte aligned
 
 
 class _Slot:
