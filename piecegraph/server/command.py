@@ -75,6 +75,9 @@ def serve(
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="share the KV pages of "
                                       "cached prompt prefixes between requests (usage.prompt_tokens_details."
                                       "cached_tokens says how many tokens a request found cached)"),
+    mixed_graphs: bool = typer.Option(True, "--mixed-graphs/--no-mixed-graphs", help="auto: prompt steps of few "
+                                      "sequences replay full CUDA graphs too, where the attention backend can "
+                                      "capture them (FlashInfer) and they were timed faster at start"),
 ) -> None:
     """Serve MODEL over HTTP, OpenAI-compatible: /v1/completions, /v1/chat/completions (streaming too),
     /v1/models, /health, /metrics. Try: piecegraph serve --model tiny."""
@@ -119,7 +122,8 @@ def serve(
                           compiler=compiler or ("inductor" if gpu else "eager"),
                           emulate_graphs=not gpu if emulate is None else emulate, attention_backend=backend,
                           cache_dir=cache, full_compile=full_compile,
-                          share_trace=share_trace, prefix_cache=prefix_cache)  # cache True: the default folder
+                          share_trace=share_trace, prefix_cache=prefix_cache,  # cache True: the default folder
+                          mixed_graphs=mixed_graphs)
     if chosen:
         kv = "" if num_pages else (", KV cache sized to a quarter of the available memory, at most 4 GiB "
                                    "(--num-pages overrides)")

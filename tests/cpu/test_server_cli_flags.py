@@ -1,5 +1,5 @@
 """``piecegraph serve``'s command line without starting an engine: ``--help`` and an import that stays light, the
-artifact cache, ``--full-compile`` and ``--share-trace``, ``--api-servers`` and a taken ``--port`` reaching or
+artifact cache, ``--full-compile``, ``--share-trace`` and ``--mixed-graphs``, ``--api-servers`` and a taken ``--port`` reaching or
 refused before the engine process, and the HTTP stack naming the C parts it misses."""
 
 import subprocess
@@ -42,7 +42,8 @@ def test_serve_keeps_compiled_code_in_the_artifact_cache_unless_told_not_to(flag
     assert (seen["config"].full_compile, seen["config"].share_trace) == ("auto", True)
 
 
-def test_serve_full_compile_and_share_trace_reach_the_engine_and_a_wrong_value_is_refused(monkeypatch):
+def test_serve_full_compile_share_trace_and_mixed_graphs_reach_the_engine_and_a_wrong_value_is_refused(
+        monkeypatch):
     from typer.testing import CliRunner
 
     from piecegraph.cli import app
@@ -58,7 +59,9 @@ def test_serve_full_compile_and_share_trace_reach_the_engine_and_a_wrong_value_i
     result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "pieces",
                                       "--no-share-trace"])
     assert result.exit_code == 0 and seen["config"].full_compile == "pieces", result.output
-    assert not seen["config"].share_trace
+    assert not seen["config"].share_trace and seen["config"].mixed_graphs
+    plain = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--no-mixed-graphs"])
+    assert plain.exit_code == 0 and not seen["config"].mixed_graphs, plain.output
     shared = CliRunner().invoke(app, ["serve", "--model", "tiny", "--device", "cpu", "--full-compile", "whole"])
     assert shared.exit_code == 0 and seen["config"].share_trace, shared.output
     assert seen["config"].full_compile == "whole"
