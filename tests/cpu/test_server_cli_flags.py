@@ -1,6 +1,6 @@
 """``piecegraph serve``'s command line without starting an engine: ``--help`` and an import that stays light, the
-artifact cache, ``--full-compile``, ``--share-trace`` and ``--mixed-graphs``, ``--api-servers`` and a taken ``--port`` reaching or
-refused before the engine process, and the HTTP stack naming the C parts it misses."""
+artifact cache, ``--full-compile``, ``--share-trace`` and ``--mixed-graphs``, ``--api-servers`` and a taken
+``--port`` reaching or refused before the engine process, and the HTTP stack naming the C parts it misses."""
 
 import subprocess
 import sys
