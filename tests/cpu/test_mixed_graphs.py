@@ -121,3 +121,28 @@ def test_a_full_mixed_capture_that_fails_leaves_prompt_steps_piecewise_with_a_wa
     assert engine.executor.prefill is None and "no graph of this step" in caplog.text
     assert engine.generate(prompts, SamplingParams(max_new_tokens=4)) == want
     assert set(engine.stats()["by_kind"]) == {"full", "piecewise"}
+
+
+def test_auto_times_a_prompt_beside_decode_rows_and_frees_what_it_took(monkeypatch):
+    """``time_mixed``: each timed step is its own metadata of ``n`` tokens, up to 8 decode rows (each with cached
+    context) beside prompt chunks of at most ``max_seq_len - 1`` tokens, within the graph's slots; too few free
+    pages give ``None`` (the rule stands); the cache ends as it began."""
+    from piecegraph.serve import executor
+
+    model = Decoder.random(CFG, seed=3).eval()
+    engine = Engine(model, EngineConfig(mode="auto", **ENGINE), cache=_flashinfer_cache(40))
+    cache, built = engine.cache, []
+    for_batch = executor.AttentionMetadata.for_batch
+    monkeypatch.setattr(executor.AttentionMetadata, "for_batch",
+                        lambda c, seqs: built.append(list(seqs)) or for_batch(c, seqs))
+    ms = executor.time_mixed(engine.executor.prefill.module, model, cache, 16, 4, overlap=True, repeats=2)
+    assert ms is not None and ms > 0 and built
+    for seqs in built:
+        decode = [s for s in seqs if s[2] == 1 and s[1] > 0]
+        prompts = [s for s in seqs if s[1] == 0]
+        assert len(decode) == 3 and sum(n for _, _, n in seqs) == 16 and len(seqs) <= 4
+        assert all(n <= cache.max_seq_len - 1 for _, _, n in prompts)
+    assert cache.sequences() == [] and cache.num_free_pages == cache.num_pages - 1
+    small = Engine(model, EngineConfig(mode="auto", **ENGINE), cache=_flashinfer_cache(6))
+    assert executor.time_mixed(small.executor.prefill.module, model, small.cache, 16, 4) is None
+    assert small.cache.num_free_pages == small.cache.num_pages - 1
