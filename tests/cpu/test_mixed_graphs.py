@@ -2,15 +2,16 @@
 prefill wrapper (``flashinfer_mixed.py``), through ``fakes/fake_flashinfer.py`` (its graph-mode ``run`` reads the
 query and page layout from the wrapper's fixed buffers only, as captured kernels do) and emulated graphs.
 
-The reference is independent: each request's greedy tokens from torch eager attention, alone. Random traffic
-(arrivals while others decode, preemption, slots fewer than a step's sequences) must give those tokens whichever
-module ran each step, and free every page."""
+The reference is independent: each request's greedy tokens from torch eager attention, alone (for a transformers
+model, its own ``generate``). Random traffic (arrivals while others decode, preemption, slots fewer than a step's
+sequences) must give those tokens whichever module ran each step, and free every page."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -146,3 +147,31 @@ def test_auto_times_a_prompt_beside_decode_rows_and_frees_what_it_took(monkeypat
     small = Engine(model, EngineConfig(mode="auto", **ENGINE), cache=_flashinfer_cache(6))
     assert executor.time_mixed(small.executor.prefill.module, model, small.cache, 16, 4) is None
     assert small.cache.num_free_pages == small.cache.num_pages - 1
+
+
+def test_a_transformers_model_through_full_mixed_graphs_gives_transformers_tokens():
+    """``piecegraph.hf``'s wrapper of an unmodified transformers Qwen2 in the auto engine on the (fake)
+    FlashInfer backend: prompt steps replay full-mixed graphs, and the greedy tokens equal transformers' own
+    ``generate``, one prompt at a time."""
+    transformers = pytest.importorskip("transformers")
+    import piecegraph.hf as pghf
+    from piecegraph.attention.backends.flashinfer import FlashInferBackend
+
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # weights large enough that greedy tokens vary with the context
+        for name, param in net.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
+    net.generation_config.eos_token_id = None
+    prompts = [[5, 17, 3, 99, 42, 7, 8, 9], [7, 7, 1], [100, 13, 54, 2, 8, 31, 4, 4, 4, 5, 6]]
+    want = [net.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8)[0, len(p):].tolist()
+            for p in prompts]
+    with pghf.HFDecoder(net) as wrapped:
+        cache = KVCache(wrapped.config, 40, 4, max_seq_len=32, backend="torch")
+        cache.backend = FlashInferBackend(wrapped.config, "cpu")
+        engine = Engine(wrapped, EngineConfig(mode="auto", **ENGINE), cache=cache)
+        assert engine.generate(prompts, SamplingParams(max_new_tokens=8)) == want
+    assert engine.stats()["by_kind"].get("full-mixed", 0) > 0
