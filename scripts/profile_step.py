@@ -221,7 +221,7 @@ def _step_label(step) -> str:
 def timeline_rows(model: Decoder, mode: str, cuda: bool, vocab: int, outdir: Path) -> list[dict]:
     """A short c10 loop (14 requests, 32 new tokens: the first prompts, then one mixed step per arrival) under
     ``torch.profiler`` with each forward marked; the gzipped Chrome trace goes to OUTDIR and
-    ``step_timeline.summarize`` reads it per step kind (host ms against device busy ms)."""
+    :func:`summarize` reads it per step kind (host ms against device busy ms)."""
     import gzip
 
     from torch.profiler import ProfilerActivity, profile, record_function
