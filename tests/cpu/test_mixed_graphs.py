@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -153,22 +152,16 @@ def test_a_transformers_model_through_full_mixed_graphs_gives_transformers_token
     """``piecegraph.hf``'s wrapper of an unmodified transformers Qwen2 in the auto engine on the (fake)
     FlashInfer backend: prompt steps replay full-mixed graphs, and the greedy tokens equal transformers' own
     ``generate``, one prompt at a time."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from hf_reference import transformers_greedy
+    from hf_tiny import BASE, init_all_matrices_fan_in, random_causal_lm, sized_config
+
     import piecegraph.hf as pghf
     from piecegraph.attention.backends.flashinfer import FlashInferBackend
 
-    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # weights large enough that greedy tokens vary with the context
-        for name, param in net.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0, 0.1 if "embed" in name else param.shape[-1] ** -0.5)
-    net.generation_config.eos_token_id = None
+    net = random_causal_lm(sized_config("qwen2", **{**BASE, "eos_token_id": None}), init_all_matrices_fan_in)
     prompts = [[5, 17, 3, 99, 42, 7, 8, 9], [7, 7, 1], [100, 13, 54, 2, 8, 31, 4, 4, 4, 5, 6]]
-    want = [net.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8)[0, len(p):].tolist()
-            for p in prompts]
+    want = [transformers_greedy(net, p, 8, eos=set()) for p in prompts]
     with pghf.HFDecoder(net) as wrapped:
         cache = KVCache(wrapped.config, 40, 4, max_seq_len=32, backend="torch")
         cache.backend = FlashInferBackend(wrapped.config, "cpu")
