@@ -70,13 +70,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from piecegraph.attention.backends.flashinfer_layout import graph_workspace_bytes, page_layout
+from piecegraph.attention.backends.flashinfer_layout import (
+    device_table,
+    graph_workspace_bytes,
+    pad_rows,
+    page_layout,
+    scratch_padded,
+)
 from piecegraph.attention.backends.flashinfer_mixed import MixedGraphs
 from piecegraph.attention.backends.kv_write import KVWriter, write_kv
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
-from piecegraph.attention.pages import SCRATCH_PAGE
 from piecegraph.attention.types import CacheShape, PagedCache, v_head_dim
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace; shared by every wrapper
@@ -176,7 +180,7 @@ class FlashInferBackend(MixedGraphs):
             raise RuntimeError("flashinfer attention: a step's first attention call is being captured, but "
                                "FlashInfer plans on the host first; run the step once before capturing it")
         cache, decode = meta.cache, meta.is_decode
-        dev, cpu = page_layout(plan.layout, cache.device, table=_device_table(cache))
+        dev, cpu = page_layout(plan.layout, cache.device, table=device_table(cache))
         head = () if decode and not self._split_dims else (cpu["qo_indptr"],)
         plan.args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         plan.kwargs = self._options(cache, cpu, prefill=not decode or self._split_dims)
@@ -236,13 +240,8 @@ class FlashInferBackend(MixedGraphs):
         graph = self._graphs.get(size) or self._new_graph(meta.cache, size)
         if graph.last is not None and graph.last[0]() is meta:
             return graph, None
-        cache, layout, pad = meta.cache, _layout(meta), size - n
-        padded = BatchLayout(
-            seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(1,) * size,
-            kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
-            page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
-        )
-        return graph, page_layout(padded, cache.device, indices_only=True, table=_device_table(cache))
+        cache, padded = meta.cache, scratch_padded(_layout(meta), size - n, new=1)
+        return graph, page_layout(padded, cache.device, indices_only=True, table=device_table(cache))
 
     def for_cuda_graph(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
         if not meta.is_decode:
@@ -255,8 +254,8 @@ class FlashInferBackend(MixedGraphs):
         args = (*head, cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu, prefill=self._split_dims))
         view = meta.replace(
-            positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
-            kv_lens=_pad_rows(meta.kv_lens, pad), mask=None, plan=graph.plan,
+            positions=pad_rows(meta.positions, pad), slot_mapping=pad_rows(meta.slot_mapping, pad),
+            kv_lens=pad_rows(meta.kv_lens, pad), mask=None, plan=graph.plan,
         )
         graph.last = (weakref.ref(meta), view)
         return view
@@ -272,14 +271,6 @@ class FlashInferBackend(MixedGraphs):
                 self.workspace = torch.zeros(-(-need // (16 << 20)) * (16 << 20), dtype=torch.uint8,
                                              device=self.workspace.device)
         return self.workspace
-
-    @staticmethod
-    def _table(cache: PagedCache) -> torch.Tensor | None:
-        return _device_table(cache)
-
-    @staticmethod
-    def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
-        return _pad_rows(t, pad)
 
     @staticmethod
     def _graph_record(wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
@@ -365,24 +356,11 @@ class FlashInferBackend(MixedGraphs):
             out.copy_(target)
 
 
-def _device_table(cache: PagedCache) -> torch.Tensor | None:
-    """The cache's device page table (pending page changes flushed), or ``None`` for a cache without one."""
-    table = getattr(cache, "device_table", None)
-    return table() if table is not None else None
-
-
 def _layout(meta: AttentionMetadata) -> BatchLayout:
     if meta.layout is None:
         raise ValueError("flashinfer attention needs the step's BatchLayout (meta.layout): build the metadata "
                          "with AttentionMetadata.for_batch / for_decode / dummy")
     return meta.layout
-
-
-def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
-    """``t`` with ``pad`` zero rows appended (dim 0); ``t`` itself when there are none."""
-    if pad == 0:
-        return t
-    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
 
 
 def _plan_info(wrapper: Any) -> tuple[int, ...] | None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from piecegraph.attention.metadata import SMALL_STEP, BatchLayout, host_tensor, to_device
-from piecegraph.attention.pages import pages_for
+from piecegraph.attention.pages import SCRATCH_PAGE, pages_for
+from piecegraph.attention.types import PagedCache
 
 
 class _Int(int):
@@ -117,6 +119,30 @@ def page_layout_rows(layout: BatchLayout, device: torch.device, indices_only: bo
     if gather:
         dev["kv_indices"] = table.view(-1).index_select(0, dev.pop("flat"))
     return dev, views
+
+
+def device_table(cache: PagedCache) -> torch.Tensor | None:
+    """The cache's device page table (pending page changes flushed), or ``None`` for a cache without one."""
+    table = getattr(cache, "device_table", None)
+    return table() if table is not None else None
+
+
+def pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` with ``pad`` zero rows appended (dim 0); ``t`` itself when there are none."""
+    if pad == 0:
+        return t
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+
+
+def scratch_padded(layout: BatchLayout, pad: int, new: int) -> BatchLayout:
+    """``layout`` with ``pad`` sequences appended for a CUDA graph's fixed batch, each of ``new`` new tokens (1: a
+    decode graph's pad row, written at position 0; 0: a mixed graph's empty request) and one KV token on the
+    scratch page (device-table slot 0, the all-scratch row), never a real page."""
+    return BatchLayout(
+        seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(*layout.num_new, *(new,) * pad),
+        kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
+        page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
+    )
 
 
 def gather_indices(table: torch.Tensor, slots: torch.Tensor, used: torch.Tensor, starts: torch.Tensor,

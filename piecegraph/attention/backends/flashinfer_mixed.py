@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from piecegraph.attention.backends.flashinfer_layout import page_layout
-from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
-from piecegraph.attention.pages import SCRATCH_PAGE
+from piecegraph.attention.backends.flashinfer_layout import device_table, pad_rows, page_layout, scratch_padded
+from piecegraph.attention.metadata import AttentionMetadata
 from piecegraph.attention.types import PagedCache
 
 MIXED_GRAPH_SEQS = 64  # request slots of a mixed graph at most: steps with more sequences run piecewise
@@ -43,7 +42,7 @@ def mixed_graph_seqs(size: int) -> int:
 class MixedGraphs:
     """The mixed-step half of :class:`~piecegraph.attention.backends.flashinfer.FlashInferBackend`: per token size
     a CUDA-graph prefill wrapper, its buffers and the last step planned on it. What it uses of the backend comes
-    through ``self`` (``_table``, ``_pad``, ``_graph_record``, ``_plan_graph``, ...), so this module imports none
+    through ``self`` (``_graph_record``, ``_plan_graph``, ``_graph_workspace``, ...), so this module imports none
     of it."""
 
     captures_mixed_steps = True  # AttentionMetadata.for_cuda_graph accepts a step with prefill rows
@@ -63,17 +62,12 @@ class MixedGraphs:
                 f"CUDA graph of {size} tokens and {graph.seqs} sequences; run it piecewise")
         if graph.last is not None and graph.last[0]() is meta:
             return graph.last[1]
-        cache, pad = meta.cache, graph.seqs - layout.num_seqs
-        padded = BatchLayout(
-            seq_ids=(*layout.seq_ids, *((None, i) for i in range(pad))), num_new=(*layout.num_new, *(0,) * pad),
-            kv_lens=(*layout.kv_lens, *(1,) * pad), pages=(*layout.pages, *((SCRATCH_PAGE,),) * pad),
-            page_size=layout.page_size, slots=None if layout.slots is None else (*layout.slots, *(0,) * pad),
-        )
-        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=self._table(cache))
+        cache, padded = meta.cache, scratch_padded(layout, graph.seqs - layout.num_seqs, new=0)
+        dev, cpu = page_layout(padded, cache.device, indices_only=True, table=device_table(cache))
         args = (cpu["qo_indptr"], cpu["kv_indptr"], dev["kv_indices"], cpu["kv_last_page_len"], *self._shape(cache))
         self._plan_graph(graph.plan.slot, size, args, self._options(cache, cpu, prefill=True))
         rows = size - n
-        view = meta.replace(positions=self._pad(meta.positions, rows), slot_mapping=self._pad(meta.slot_mapping, rows),
+        view = meta.replace(positions=pad_rows(meta.positions, rows), slot_mapping=pad_rows(meta.slot_mapping, rows),
                             kv_lens=None, page_table=None, mask=None, plan=graph.plan)
         graph.last = (weakref.ref(meta), view)
         return view

@@ -44,13 +44,11 @@ from piecegraph.attention.backends.flashinfer import (
     WORKSPACE_BYTES,
     FlashInferBackend,
     FlashInferPlan,
-    _device_table,
     _Graph,
     _layout,
-    _pad_rows,
     _Slot,
 )
-from piecegraph.attention.backends.flashinfer_layout import page_layout
+from piecegraph.attention.backends.flashinfer_layout import device_table, pad_rows, page_layout
 from piecegraph.attention.backends.torch_mla import Indexer, TorchMLABackend, write_latents
 from piecegraph.attention.metadata import AttentionMetadata, BatchLayout
 from piecegraph.attention.types import CacheShape, PagedCache, index_head_dim, v_head_dim
@@ -143,7 +141,7 @@ class FlashInferMLABackend(FlashInferBackend):
                                "on the host first (or re-plans: metadata built ahead, or a second softmax scale); "
                                "run the step once before capturing it")
         if not plan.args:
-            dev, cpu = page_layout(plan.layout, cache.device, indices_only=True, table=_device_table(cache))
+            dev, cpu = page_layout(plan.layout, cache.device, indices_only=True, table=device_table(cache))
             plan.args = (_plain(cpu["qo_indptr"]), cpu["kv_indptr"], dev["kv_indices"], _plain(cpu["seq_lens"]))
         elif plan.slot.holds is not plan:
             self.replans += 1
@@ -162,10 +160,10 @@ class FlashInferMLABackend(FlashInferBackend):
         self._plan_graph(plan.slot, size, self._args(plan, scale, cache), {})
         plan.scale = scale
         view = meta.replace(
-            positions=_pad_rows(meta.positions, pad), slot_mapping=_pad_rows(meta.slot_mapping, pad),
-            kv_lens=_pad_rows(meta.kv_lens, pad), plan=plan,
-            mask=None if meta.mask is None else _pad_rows(meta.mask, pad),  # DSA's torch path: zero rows attend
-            page_table=None if meta.page_table is None else _pad_rows(meta.page_table, pad),  # the scratch page
+            positions=pad_rows(meta.positions, pad), slot_mapping=pad_rows(meta.slot_mapping, pad),
+            kv_lens=pad_rows(meta.kv_lens, pad), plan=plan,
+            mask=None if meta.mask is None else pad_rows(meta.mask, pad),  # DSA's torch path: zero rows attend
+            page_table=None if meta.page_table is None else pad_rows(meta.page_table, pad),  # the scratch page
         )
         graph.last = (weakref.ref(meta), view)
         return view
