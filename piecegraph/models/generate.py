@@ -162,10 +162,7 @@ def dummy_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n: int
     A pure decode step: running the model on them only touches the cache's scratch page. ``model_or_config``
     checks that the cache was built for this model's shape.
     """
-    config = model_or_config if isinstance(model_or_config, ModelConfig) else model_or_config.config
-    if (config.num_layers, config.num_kv_heads, config.head_dim) != (
-            len(cache.k), cache.num_kv_heads, cache.head_dim):
-        raise ValueError("the KV cache was built for a different model shape than the one given")
+    _check_cache_shape(model_or_config, cache)
     zeros = torch.zeros(n, dtype=torch.int64, device=cache.device)
     return (zeros, zeros.clone()), AttentionMetadata.dummy(cache, n)
 
@@ -178,10 +175,7 @@ def dummy_mixed_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n
     on ``n`` and the graph's sequence slots, so any such layout serves every later step that fits."""
     if n < 2:
         raise ValueError(f"a mixed step has at least 2 tokens, got n={n}")
-    config = model_or_config if isinstance(model_or_config, ModelConfig) else model_or_config.config
-    if (config.num_layers, config.num_kv_heads, config.head_dim) != (
-            len(cache.k), cache.num_kv_heads, cache.head_dim):
-        raise ValueError("the KV cache was built for a different model shape than the one given")
+    _check_cache_shape(model_or_config, cache)
     k = min(seqs, n - 1)
     lengths = [n // k + (i < n % k) for i in range(k)]
     layout = BatchLayout(seq_ids=tuple(("pad", i) for i in range(k)), num_new=tuple(lengths),
@@ -190,3 +184,11 @@ def dummy_mixed_inputs(model_or_config: Decoder | ModelConfig, cache: KVCache, n
                          page_size=cache.page_size)
     meta = AttentionMetadata.from_layout(cache, layout)
     return (torch.zeros(n, dtype=torch.int64, device=cache.device), meta.positions.clone()), meta
+
+
+def _check_cache_shape(model_or_config: Decoder | ModelConfig, cache: KVCache) -> None:
+    """Raises unless ``cache`` was built for this model's layers, KV heads and head size."""
+    config = model_or_config if isinstance(model_or_config, ModelConfig) else model_or_config.config
+    if (config.num_layers, config.num_kv_heads, config.head_dim) != (
+            len(cache.k), cache.num_kv_heads, cache.head_dim):
+        raise ValueError("the KV cache was built for a different model shape than the one given")

@@ -168,3 +168,11 @@ def test_a_transformers_model_through_full_mixed_graphs_gives_transformers_token
         engine = Engine(wrapped, EngineConfig(mode="auto", **ENGINE), cache=cache)
         assert engine.generate(prompts, SamplingParams(max_new_tokens=8)) == want
     assert engine.stats()["by_kind"].get("full-mixed", 0) > 0
+
+
+def test_mixed_capture_inputs_refuse_a_cache_of_another_model_and_a_single_token():
+    cache = _flashinfer_cache(20)
+    with pytest.raises(ValueError, match="different model shape"):
+        dummy_mixed_inputs(CFG.replace(num_kv_heads=3, num_heads=6), cache, 8, 4)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        dummy_mixed_inputs(CFG, cache, 1, 4)
