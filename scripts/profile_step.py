@@ -194,11 +194,10 @@ def forward_rows(trace: dict, kinds: list[str]) -> list[dict]:
     return rows
 
 
-def summarize(trace: dict, kinds: list[str]) -> dict[str, dict]:
-    """Per step kind: the count and the median of each :func:`forward_rows` number (runtime calls: the five
-    longest by median)."""
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    """Per step kind: the count and the median of each number of :func:`forward_rows`'s ``rows`` (runtime calls:
+    the five longest by median)."""
     out: dict[str, dict] = {}
-    rows = forward_rows(trace, kinds)
     for kind in sorted({r["kind"] for r in rows}):
         mine = [r for r in rows if r["kind"] == kind]
         entry: dict[str, Any] = {"steps": len(mine)}
@@ -242,15 +241,13 @@ def timeline_rows(model: Decoder, mode: str, cuda: bool, vocab: int, outdir: Pat
     with profile(activities=activities) as prof:
         _closed_loop(engine, vocab, gen, 14, 512, 32, 10, 0.25)
     engine.executor.run = run
-    raw = outdir / "c10_timeline_trace.json"
-    prof.export_chrome_trace(str(raw))
-    trace = json.loads(raw.read_text())
-    with gzip.open(f"{raw}.gz", "wt") as f:
-        json.dump(trace, f)
-    raw.unlink()
-    kinds = [_step_label(s) for s in engine.steps]
-    row = {"profile": "timeline", "workload": "c10-short", "trace": f"{raw.name}.gz",
-           "by_kind": summarize(trace, kinds), "steps": forward_rows(trace, kinds)}
+    path = outdir / "c10_timeline_trace.json.gz"
+    prof.export_chrome_trace(str(path))  # torch gzips a path ending in .gz
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    steps = forward_rows(trace, [_step_label(s) for s in engine.steps])
+    row = {"profile": "timeline", "workload": "c10-short", "trace": path.name, "by_kind": summarize(steps),
+           "steps": steps}
     print("== timeline, c10-short (medians per step kind)")
     print(json.dumps(row["by_kind"], indent=1))
     return [row]

@@ -58,6 +58,6 @@ def test_timeline_marks_every_forward_and_reads_its_host_time(tmp_path):
 
     trace = json.loads(gzip.open(tmp_path / row["trace"], "rt").read())
     assert timeline.forward_rows(trace, [s["kind"] for s in steps]) == steps
-    by_kind = timeline.summarize(trace, [s["kind"] for s in steps])
+    by_kind = timeline.summarize(steps)
     assert sum(v["steps"] for v in by_kind.values()) == len(steps)
     assert all(s["host_ms"] > 0 and s["kernels"] == 0 for s in steps)  # CPU: no device events
