@@ -5,11 +5,8 @@ here) over mixed prefill, chunked-prefill and decode steps in padded buckets."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -101,11 +98,9 @@ def test_torch_backend_equals_reference_with_narrower_values():
 
 
 @pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """FlashInfer 0.5.3's API stand-in (tests/cpu/fakes), its page reader taught values of their own width."""
-    spec = importlib.util.spec_from_file_location("flashinfer", Path(__file__).parent / "fakes" / "fake_flashinfer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def fake_flashinfer(fake_flashinfer, monkeypatch):
+    """FlashInfer 0.5.3's API stand-in (conftest's fixture), its page reader taught values of their own width."""
+    module = fake_flashinfer
 
     def kv(self, paged_kv_cache, b):
         k_cache, v_cache = paged_kv_cache
@@ -115,7 +110,6 @@ def fake_flashinfer(monkeypatch):
         return (k_cache[pages].flatten(0, 1)[:length], v_cache[pages].flatten(0, 1)[:length])
 
     monkeypatch.setattr(module._Paged, "_kv", kv)
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
     return module
 
 
