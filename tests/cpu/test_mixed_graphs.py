@@ -176,3 +176,12 @@ def test_mixed_capture_inputs_refuse_a_cache_of_another_model_and_a_single_token
         dummy_mixed_inputs(CFG.replace(num_kv_heads=3, num_heads=6), cache, 8, 4)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         dummy_mixed_inputs(CFG, cache, 1, 4)
+
+
+def test_mixed_graphs_is_a_bool_and_auto_nomixed_turns_it_off():
+    from piecegraph.serve.sweep import engine_config
+
+    assert EngineConfig().mixed_graphs and not engine_config("auto-nomixed", EngineConfig()).mixed_graphs
+    assert engine_config("auto-nomixed", EngineConfig()).mode == "auto"
+    with pytest.raises(ValueError, match="EngineConfig.mixed_graphs=1 must be True or False"):
+        EngineConfig(mixed_graphs=1)
